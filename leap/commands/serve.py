@@ -1,0 +1,75 @@
+"""`leap serve SERVICE`: run one service in the foreground until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from leap.commands import SERVICE_MODULES, service_spec
+from leap.runtime import config as cfg
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run one service",
+        description="Run one service. Every setting is also a flag and an environment variable; "
+        "`leap serve SERVICE --help` lists them.",
+        add_help=False,
+    )
+    parser.add_argument("service", nargs="?", choices=list(SERVICE_MODULES), help="service to run")
+    parser.add_argument("-h", "--help", action="store_true", help="show the settings of SERVICE")
+    parser.set_defaults(func=run, accepts_extra=True)
+
+
+def settings_parser(spec) -> argparse.ArgumentParser:
+    """A parser with one flag per field of the service's config class."""
+    parser = argparse.ArgumentParser(
+        prog=f"leap serve {spec.name}",
+        description=f"{spec.description} Settings come from (lowest first) defaults, --config FILE (TOML), "
+        f"environment variables LEAP_{spec.name.upper()}_<SETTING>, and flags.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file of settings (a [%s] table or top-level keys)" % spec.name)
+    for field in cfg.fields_of(spec.config_class):
+        kind = cfg.field_type(spec.config_class, field)
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        flag = "--" + field.name.replace("_", "-")
+        metavar = "LIST" if typing.get_origin(kind) is list else ("BOOL" if kind is bool else field.name.upper())
+        parser.add_argument(
+            flag,
+            dest=field.name,
+            default=None,
+            metavar=metavar,
+            help=f"{field.metadata.get('help', '')} [env {cfg.env_name(spec.name, field.name)}; default {default!r}]",
+        )
+    return parser
+
+
+def load_settings(spec, argv: list[str]):
+    from leap.cli import UserError
+
+    args = settings_parser(spec).parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        return cfg.load(spec.config_class, spec.name, config_file=args.config, overrides=overrides)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def run(args, extra: list[str]) -> int:
+    from leap.cli import UserError
+    from leap.runtime.server import run as run_server
+
+    if args.service is None:
+        raise UserError("which service? choose one of: " + ", ".join(SERVICE_MODULES))
+    spec = service_spec(args.service)
+    if args.help:
+        settings_parser(spec).print_help()
+        return 0
+    settings = load_settings(spec, extra)
+    try:
+        run_server(spec, settings)
+    except OSError as err:
+        raise UserError(str(err)) from None
+    return 0

@@ -1,0 +1,1 @@
+"""`leap serve distill`: TU-OPD distillation with Consensus-Residual Decomposition, as runs."""

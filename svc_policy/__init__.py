@@ -1,0 +1,1 @@
+"""`leap serve policy`: Policy inference: sampling with logprobs, scoring, versioned weight updates."""

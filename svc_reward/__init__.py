@@ -1,0 +1,1 @@
+"""`leap serve reward`: Difficulty-Conditioned Pruning and tournament rank rewards."""

@@ -1,0 +1,1 @@
+"""`leap serve sandbox`: Compile, run, check and time candidate kernels, safely."""

@@ -1,0 +1,1 @@
+"""`leap serve trainer`: The GRPO learner, the LEAP loop and RGRPO teacher rounds, as runs."""

@@ -1,0 +1,74 @@
+"""Fixtures every test may use: free loopback ports, services as real `leap serve`
+processes, and services on a background thread of this process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for child processes: this checkout first on the import path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def leap_serve(service: str, *args: str, port: int | None = None, timeout: float = 120.0,
+               env: dict[str, str] | None = None, log_path: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run `leap serve SERVICE --port P ARGS...` as a real process; yield (address, process)."""
+    from leap.commands.health import check
+
+    port = port or free_port()
+    address = f"127.0.0.1:{port}"
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+    process = subprocess.Popen(
+        [sys.executable, "-m", "leap", "serve", service, "--port", str(port), *args],
+        cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT if log_path else subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while check(address, timeout=1.0) != "SERVING":
+            if process.poll() is not None:
+                err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+                raise RuntimeError(f"leap serve {service} exited with {process.returncode}:\n{err[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"leap serve {service} not SERVING after {timeout} s")
+            time.sleep(0.1)
+        yield address, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if log_path:
+            log.close()
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()

@@ -1,0 +1,176 @@
+"""The shared service runtime, over real gRPC channels: auth, error mapping with rich
+details, INTERNAL without tracebacks, message-size limits, health and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from leap.reward.v1 import reward_pb2, reward_pb2_grpc
+from leap.runtime import BackgroundServer, ServerConfig
+from leap.runtime.errors import details_of
+from tests.conftest import ROOT, free_port, subprocess_env
+from tests.runtime_fixture import build_service
+
+TOKEN = "s3cret-token"
+
+
+def start(**config) -> BackgroundServer:
+    settings = ServerConfig(port=free_port(), drain_seconds=0.0, **config)
+    return BackgroundServer(build_service(), settings).start()
+
+
+@pytest.fixture
+def server():
+    running = start(max_message_bytes=1024 * 1024)
+    yield running
+    running.stop()
+
+
+def stub_for(address: str) -> reward_pb2_grpc.RewardServiceStub:
+    return reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(address))
+
+
+def rank(task_id: str) -> reward_pb2.RankRequest:
+    return reward_pb2.RankRequest(groups=[reward_pb2.RankGroup(task_id=task_id)])
+
+
+def test_ok_call_passes_through(server):
+    reply = stub_for(server.address).Rank(rank("ok"), timeout=10)
+    assert reply.results[0].task_id == "ok"
+
+
+def test_invalid_argument_carries_bad_request_details(server):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub_for(server.address).Rank(reward_pb2.RankRequest(), timeout=10)
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "groups" in error.details()
+    (bad_request,) = [d for d in details_of(error) if isinstance(d, error_details_pb2.BadRequest)]
+    assert bad_request.field_violations[0].field == "groups"
+
+
+def test_unexpected_exception_is_internal_without_traceback_and_server_keeps_serving(server):
+    stub = stub_for(server.address)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Rank(rank("boom"), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "request id" in caught.value.details()
+    assert "Traceback" not in caught.value.details() and "kaboom" not in caught.value.details()
+    assert stub.Rank(rank("ok"), timeout=10).results[0].task_id == "ok"
+
+
+def test_rpc_not_built_yet_answers_unimplemented(server):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub_for(server.address).GetStats(reward_pb2.GetStatsRequest(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_oversized_message_is_resource_exhausted(server):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub_for(server.address).Rank(rank("x" * (2 * 1024 * 1024)), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_auth_rejects_missing_and_wrong_token_but_not_health():
+    running = start(auth_token=TOKEN)
+    try:
+        channel = grpc.insecure_channel(running.address)
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        for metadata in [(), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)]:
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Rank(rank("ok"), metadata=metadata, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = stub.Rank(rank("ok"), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+        assert ok.results[0].task_id == "ok"
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        running.stop()
+
+
+def test_client_helper_sends_token_and_deadline():
+    from leap.clients import connect
+
+    running = start(auth_token=TOKEN)
+    try:
+        stub = connect("reward", running.address, aio=False, auth_token=TOKEN, unary_deadline=0.5)
+        assert stub.Rank(rank("ok")).results[0].task_id == "ok"
+        with pytest.raises(grpc.RpcError) as caught:  # "slow" sleeps 2 s: the default deadline fires
+            stub.Rank(rank("slow"))
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        stub.channel.close()
+    finally:
+        running.stop()
+
+
+def test_sigterm_drains_in_flight_calls_then_exits():
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime_fixture", str(port)], cwd=ROOT, env=subprocess_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        channel = grpc.insecure_channel(address)
+        grpc.channel_ready_future(channel).result(timeout=60)
+        health = health_pb2_grpc.HealthStub(channel)
+        outcome = {}
+
+        def slow_call():
+            try:
+                outcome["reply"] = stub_for(address).Rank(rank("slow"), timeout=30)
+            except grpc.RpcError as err:  # pragma: no cover - the assertion below reports it
+                outcome["error"] = err
+
+        caller = threading.Thread(target=slow_call)
+        caller.start()
+        time.sleep(0.5)  # the slow call (2 s) is now in flight
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        caller.join(30)
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome["reply"].results[0].task_id == "slow"
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert process.wait(30) == 0
+        log = process.stderr.read().decode()
+        assert '"event": "shutting down"' in log and '"event": "stopped"' in log
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_call_log_is_json_with_request_id_method_code_latency():
+    import json
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime_fixture", str(port)], cwd=ROOT, env=subprocess_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(channel).result(timeout=60)
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        stub.Rank(rank("ok"), metadata=(("x-request-id", "req-42"),), timeout=10)
+        with pytest.raises(grpc.RpcError):
+            stub.Rank(reward_pb2.RankRequest(), timeout=10)
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+        lines = [json.loads(line) for line in process.stderr.read().decode().splitlines() if line.startswith("{")]
+        calls = [line for line in lines if line.get("event") == "call"]
+        assert {"request_id": "req-42", "code": "OK"}.items() <= calls[0].items()
+        assert calls[0]["method"] == "/leap.reward.v1.RewardService/Rank" and calls[0]["latency_ms"] >= 0
+        assert calls[1]["code"] == "INVALID_ARGUMENT" and calls[1]["request_id"] != "req-42"
+    finally:
+        if process.poll() is None:
+            process.kill()
