@@ -72,3 +72,29 @@ def leap_serve(service: str, *args: str, port: int | None = None, timeout: float
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+BOOTSTRAP_CACHE = ROOT / ".leap-cache" / "bootstrap"
+
+
+def task_suite() -> list:
+    """The built-in task suite (FULL view), or the small one of tests/tiny_suite.py where
+    the built-in one is not there yet."""
+    try:
+        from leap.tasks import load_suite
+    except ImportError:
+        from tests.tiny_suite import tiny_suite
+
+        return tiny_suite()
+    return list(load_suite())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The bootstrapped tiny model (leap.bootstrap, default config) of the task suite: a
+    Hugging Face model directory that both policy backends load. Built once per cache key
+    under .leap-cache/bootstrap/ and shared by every test of the session (and later runs);
+    treat it as read-only (copy it to change it)."""
+    from leap.bootstrap import bootstrap_model
+
+    return bootstrap_model(tasks=task_suite(), cache_dir=BOOTSTRAP_CACHE, progress=False)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from leap.common.v1 import common_pb2 as leap_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bleap/policy/v1/policy.proto\x12\x0eleap.policy.v1\x1a\x1bleap/common/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"y\n\nChatPrompt\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.leap.common.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"{\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.leap.policy.v1.ChatPromptH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.leap.policy.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xcc\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"{\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x07prompts\x18\x02 \x03(\x0b\x32\x16.leap.policy.v1.Prompt\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.leap.policy.v1.SamplingParams\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xf8\x01\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x33\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1c.leap.policy.v1.FinishReason\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.leap.policy.v1.Usage\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\"[\n\x10GenerateResponse\x12/\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x1a.leap.policy.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x81\x01\n\x15GenerateStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x07prompts\x18\x02 \x03(\x0b\x32\x16.leap.policy.v1.Prompt\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.leap.policy.v1.SamplingParams\"H\n\x16GenerateStreamResponse\x12.\n\ncompletion\x18\x01 \x01(\x0b\x32\x1a.leap.policy.v1.Completion\"C\n\tScoreItem\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\"q\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x05items\x18\x02 \x03(\x0b\x32\x19.leap.policy.v1.ScoreItem\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"\x1f\n\x0bScoreResult\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"U\n\rScoreResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.leap.policy.v1.ScoreResult\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"}\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.leap.common.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\x07\"r\n\x14UpdateWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1b.leap.policy.v1.TensorChunk\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x08\"y\n\x15UpdateWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x17\n\x0ftensors_updated\x18\x03 \x01(\x05\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"D\n\x14ReloadWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"A\n\x15ReloadWeightsResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.leap.policy.v1.ModelInfo\"\x88\x01\n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12(\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x17.leap.policy.v1.Backend\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\"=\n\x11LoadModelResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.leap.policy.v1.ModelInfo\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadModelResponse\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x10GetModelResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.leap.policy.v1.ModelInfo\"\x13\n\x11ListModelsRequest\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.leap.policy.v1.ModelInfo\"\xb0\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12(\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x17.leap.policy.v1.Backend\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x03\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x1a\n\x12max_context_tokens\x18\t \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\n \x01(\t\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08\x12\x14\n\x0c\x61rchitecture\x18\r \x01(\t*D\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x0e\n\nBACKEND_HF\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_VLLM\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x06\n\rPolicyService\x12M\n\x08Generate\x12\x1f.leap.policy.v1.GenerateRequest\x1a .leap.policy.v1.GenerateResponse\x12\x61\n\x0eGenerateStream\x12%.leap.policy.v1.GenerateStreamRequest\x1a&.leap.policy.v1.GenerateStreamResponse0\x01\x12\x44\n\x05Score\x12\x1c.leap.policy.v1.ScoreRequest\x1a\x1d.leap.policy.v1.ScoreResponse\x12^\n\rUpdateWeights\x12$.leap.policy.v1.UpdateWeightsRequest\x1a%.leap.policy.v1.UpdateWeightsResponse(\x01\x12\\\n\rReloadWeights\x12$.leap.policy.v1.ReloadWeightsRequest\x1a%.leap.policy.v1.ReloadWeightsResponse\x12P\n\tLoadModel\x12 .leap.policy.v1.LoadModelRequest\x1a!.leap.policy.v1.LoadModelResponse\x12V\n\x0bUnloadModel\x12\".leap.policy.v1.UnloadModelRequest\x1a#.leap.policy.v1.UnloadModelResponse\x12M\n\x08GetModel\x12\x1f.leap.policy.v1.GetModelRequest\x1a .leap.policy.v1.GetModelResponse\x12S\n\nListModels\x12!.leap.policy.v1.ListModelsRequest\x1a\".leap.policy.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bleap/policy/v1/policy.proto\x12\x0eleap.policy.v1\x1a\x1bleap/common/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"y\n\nChatPrompt\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.leap.common.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"{\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.leap.policy.v1.ChatPromptH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.leap.policy.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xcc\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"{\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x07prompts\x18\x02 \x03(\x0b\x32\x16.leap.policy.v1.Prompt\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.leap.policy.v1.SamplingParams\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xf8\x01\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x33\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1c.leap.policy.v1.FinishReason\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.leap.policy.v1.Usage\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\"[\n\x10GenerateResponse\x12/\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x1a.leap.policy.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x81\x01\n\x15GenerateStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x07prompts\x18\x02 \x03(\x0b\x32\x16.leap.policy.v1.Prompt\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.leap.policy.v1.SamplingParams\"H\n\x16GenerateStreamResponse\x12.\n\ncompletion\x18\x01 \x01(\x0b\x32\x1a.leap.policy.v1.Completion\"C\n\tScoreItem\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\"\x9e\x01\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x05items\x18\x02 \x03(\x0b\x32\x19.leap.policy.v1.ScoreItem\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"\x1f\n\x0bScoreResult\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"U\n\rScoreResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.leap.policy.v1.ScoreResult\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"}\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x05\x64type\x18\x02 \x01(\x0e\x32\x15.leap.common.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\x07\"r\n\x14UpdateWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1b.leap.policy.v1.TensorChunk\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x08\"y\n\x15UpdateWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x17\n\x0ftensors_updated\x18\x03 \x01(\x05\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"D\n\x14ReloadWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"A\n\x15ReloadWeightsResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.leap.policy.v1.ModelInfo\"\x88\x01\n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12(\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x17.leap.policy.v1.Backend\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\"=\n\x11LoadModelResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.leap.policy.v1.ModelInfo\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadModelResponse\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x10GetModelResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.leap.policy.v1.ModelInfo\"\x13\n\x11ListModelsRequest\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.leap.policy.v1.ModelInfo\"\xb0\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12(\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x17.leap.policy.v1.Backend\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x03\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x1a\n\x12max_context_tokens\x18\t \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\n \x01(\t\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08\x12\x14\n\x0c\x61rchitecture\x18\r \x01(\t*D\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x0e\n\nBACKEND_HF\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_VLLM\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x06\n\rPolicyService\x12M\n\x08Generate\x12\x1f.leap.policy.v1.GenerateRequest\x1a .leap.policy.v1.GenerateResponse\x12\x61\n\x0eGenerateStream\x12%.leap.policy.v1.GenerateStreamRequest\x1a&.leap.policy.v1.GenerateStreamResponse0\x01\x12\x44\n\x05Score\x12\x1c.leap.policy.v1.ScoreRequest\x1a\x1d.leap.policy.v1.ScoreResponse\x12^\n\rUpdateWeights\x12$.leap.policy.v1.UpdateWeightsRequest\x1a%.leap.policy.v1.UpdateWeightsResponse(\x01\x12\\\n\rReloadWeights\x12$.leap.policy.v1.ReloadWeightsRequest\x1a%.leap.policy.v1.ReloadWeightsResponse\x12P\n\tLoadModel\x12 .leap.policy.v1.LoadModelRequest\x1a!.leap.policy.v1.LoadModelResponse\x12V\n\x0bUnloadModel\x12\".leap.policy.v1.UnloadModelRequest\x1a#.leap.policy.v1.UnloadModelResponse\x12M\n\x08GetModel\x12\x1f.leap.policy.v1.GetModelRequest\x1a .leap.policy.v1.GetModelResponse\x12S\n\nListModels\x12!.leap.policy.v1.ListModelsRequest\x1a\".leap.policy.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'leap.policy.v1.policy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKEND']._serialized_start=2846
-  _globals['_BACKEND']._serialized_end=2914
-  _globals['_FINISHREASON']._serialized_start=2916
-  _globals['_FINISHREASON']._serialized_end=3036
+  _globals['_BACKEND']._serialized_start=2892
+  _globals['_BACKEND']._serialized_end=2960
+  _globals['_FINISHREASON']._serialized_start=2962
+  _globals['_FINISHREASON']._serialized_end=3082
   _globals['_TOKENIDS']._serialized_start=76
   _globals['_TOKENIDS']._serialized_end=99
   _globals['_CHATPROMPT']._serialized_start=101
@@ -58,40 +58,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATESTREAMRESPONSE']._serialized_end=1288
   _globals['_SCOREITEM']._serialized_start=1290
   _globals['_SCOREITEM']._serialized_end=1357
-  _globals['_SCOREREQUEST']._serialized_start=1359
-  _globals['_SCOREREQUEST']._serialized_end=1472
-  _globals['_SCORERESULT']._serialized_start=1474
-  _globals['_SCORERESULT']._serialized_end=1505
-  _globals['_SCORERESPONSE']._serialized_start=1507
-  _globals['_SCORERESPONSE']._serialized_end=1592
-  _globals['_TENSORCHUNK']._serialized_start=1594
-  _globals['_TENSORCHUNK']._serialized_end=1719
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1721
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1835
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1837
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1958
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=1960
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=2028
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=2030
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=2095
-  _globals['_LOADMODELREQUEST']._serialized_start=2098
-  _globals['_LOADMODELREQUEST']._serialized_end=2234
-  _globals['_LOADMODELRESPONSE']._serialized_start=2236
-  _globals['_LOADMODELRESPONSE']._serialized_end=2297
-  _globals['_UNLOADMODELREQUEST']._serialized_start=2299
-  _globals['_UNLOADMODELREQUEST']._serialized_end=2333
-  _globals['_UNLOADMODELRESPONSE']._serialized_start=2335
-  _globals['_UNLOADMODELRESPONSE']._serialized_end=2356
-  _globals['_GETMODELREQUEST']._serialized_start=2358
-  _globals['_GETMODELREQUEST']._serialized_end=2389
-  _globals['_GETMODELRESPONSE']._serialized_start=2391
-  _globals['_GETMODELRESPONSE']._serialized_end=2451
-  _globals['_LISTMODELSREQUEST']._serialized_start=2453
-  _globals['_LISTMODELSREQUEST']._serialized_end=2472
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2474
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2537
-  _globals['_MODELINFO']._serialized_start=2540
-  _globals['_MODELINFO']._serialized_end=2844
-  _globals['_POLICYSERVICE']._serialized_start=3039
-  _globals['_POLICYSERVICE']._serialized_end=3826
+  _globals['_SCOREREQUEST']._serialized_start=1360
+  _globals['_SCOREREQUEST']._serialized_end=1518
+  _globals['_SCORERESULT']._serialized_start=1520
+  _globals['_SCORERESULT']._serialized_end=1551
+  _globals['_SCORERESPONSE']._serialized_start=1553
+  _globals['_SCORERESPONSE']._serialized_end=1638
+  _globals['_TENSORCHUNK']._serialized_start=1640
+  _globals['_TENSORCHUNK']._serialized_end=1765
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1767
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1881
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1883
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2004
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=2006
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=2074
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=2076
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=2141
+  _globals['_LOADMODELREQUEST']._serialized_start=2144
+  _globals['_LOADMODELREQUEST']._serialized_end=2280
+  _globals['_LOADMODELRESPONSE']._serialized_start=2282
+  _globals['_LOADMODELRESPONSE']._serialized_end=2343
+  _globals['_UNLOADMODELREQUEST']._serialized_start=2345
+  _globals['_UNLOADMODELREQUEST']._serialized_end=2379
+  _globals['_UNLOADMODELRESPONSE']._serialized_start=2381
+  _globals['_UNLOADMODELRESPONSE']._serialized_end=2402
+  _globals['_GETMODELREQUEST']._serialized_start=2404
+  _globals['_GETMODELREQUEST']._serialized_end=2435
+  _globals['_GETMODELRESPONSE']._serialized_start=2437
+  _globals['_GETMODELRESPONSE']._serialized_end=2497
+  _globals['_LISTMODELSREQUEST']._serialized_start=2499
+  _globals['_LISTMODELSREQUEST']._serialized_end=2518
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2520
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2583
+  _globals['_MODELINFO']._serialized_start=2586
+  _globals['_MODELINFO']._serialized_end=2890
+  _globals['_POLICYSERVICE']._serialized_start=3085
+  _globals['_POLICYSERVICE']._serialized_end=3872
 # @@protoc_insertion_point(module_scope)

@@ -319,7 +319,9 @@ class Completion(_message.Message):
     sample_index: _builtins.int
     """Index of this sample among the prompt's `n`."""
     text: _builtins.str
-    """Decoded text of token_ids."""
+    """Decoded text of token_ids, without a final end-of-sequence or stop token, and cut right
+    after the first stop string (which is kept).
+    """
     finish_reason: Global___FinishReason.ValueType
     """Why the completion ended."""
     weight_version: _builtins.int
@@ -331,7 +333,9 @@ class Completion(_message.Message):
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Natural-log probability of each generated token under the distribution it was sampled
-        from (after temperature, top-k and top-p); one per token id.
+        from (after temperature, top-k and top-p, renormalized); one per token id. Score with
+        the same temperature, top_k and top_p returns the same values. Greedy decoding
+        (temperature 0) reports the untempered log-softmax instead.
         """
 
     @_builtins.property
@@ -488,10 +492,21 @@ class ScoreRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Name of a loaded model. Required."""
     temperature: _builtins.float
-    """Temperature applied to the logits before the log-softmax. Default 1.0 when unset."""
+    """Temperature applied to the logits before the log-softmax; must be above 0. Default 1.0
+    when unset.
+    """
+    top_k: _builtins.int
+    """Top-k truncation as in SamplingParams (0 means off): with temperature, top_k and top_p
+    equal to a Generate call's, the scores are that call's logprobs (the distribution
+    sampled from). A token outside the kept set scores -inf. Default 0.
+    """
+    top_p: _builtins.float
+    """Nucleus truncation as in SamplingParams, in (0, 1]. Default 1.0 (off) when unset."""
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScoreItem]:
         """Sequences to score, batched by the service. Required, at least one."""
@@ -502,14 +517,21 @@ class ScoreRequest(_message.Message):
         model: _builtins.str = ...,
         items: _abc.Iterable[Global___ScoreItem] | None = ...,
         temperature: _builtins.float | None = ...,
+        top_k: _builtins.int = ...,
+        top_p: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "temperature", b"temperature"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_p", b"_top_p", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "items", b"items", "model", b"model", "temperature", b"temperature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_p", b"_top_p", "items", b"items", "model", b"model", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___ScoreRequest: _TypeAlias = ScoreRequest  # noqa: Y015
 

@@ -1,0 +1,113 @@
+"""Staging of one UpdateWeights stream: every chunk is checked against the model's tensors
+(name, dtype, shape, offset, CRC-32) and copied into a staging buffer; only a complete,
+committed stream turns into tensors for the backend. Anything wrong raises INVALID_ARGUMENT
+naming the message and field (`messages[3].chunk.crc32`), and the served weights are never
+touched before the commit.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from leap.clients.weights import PROTO_TO_TORCH
+from leap.common.v1 import common_pb2
+from leap.policy.v1 import policy_pb2
+from leap.runtime import Violations, invalid_argument
+from svc_policy.engine import TensorSpec
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _proto_dtype_name(value: int) -> str:
+    return common_pb2.DType.Name(value) if value in common_pb2.DType.values() else str(value)
+
+
+class WeightStaging:
+    """The tensors received so far on one stream."""
+
+    def __init__(self, specs: Mapping[str, TensorSpec]):
+        self.specs = specs
+        self.buffers: dict[str, np.ndarray] = {}
+        self.received: dict[str, int] = {}
+        self.bytes_received = 0
+
+    def add(self, chunk: policy_pb2.TensorChunk, field: str) -> None:
+        """Check and stage one chunk; `field` is its path in the stream (`messages[3].chunk`)."""
+        spec = self.specs.get(chunk.name)
+        if spec is None:
+            hint = ", ".join(list(self.specs)[:3])
+            raise invalid_argument(f"{field}.name", f"the model has no tensor {chunk.name!r} (it has {len(self.specs)}, "
+                                                    f"for example {hint})")
+        v = Violations()
+        dtype = PROTO_TO_TORCH.get(chunk.dtype)
+        v.check(dtype == spec.dtype, f"{field}.dtype", f"{chunk.name!r} is {_dtype_name(spec.dtype)} in the model, "
+                f"the chunk says {_proto_dtype_name(chunk.dtype)}")
+        v.check(tuple(chunk.shape) == spec.shape, f"{field}.shape",
+                f"{chunk.name!r} has shape {list(spec.shape)} in the model, the chunk says {list(chunk.shape)}")
+        v.raise_if_any()
+        done = self.received.get(chunk.name, 0)
+        size = spec.nbytes
+        data = chunk.data
+        v.check(chunk.offset == done, f"{field}.offset",
+                f"chunks of {chunk.name!r} must arrive in order without gaps or repeats: expected offset {done}, "
+                f"got {chunk.offset}")
+        v.check(chunk.offset + len(data) <= size, f"{field}.data",
+                f"{chunk.name!r} has {size} bytes; this chunk ends at byte {chunk.offset + len(data)}")
+        v.raise_if_any()
+        actual = zlib.crc32(data)
+        if actual != chunk.crc32:
+            raise invalid_argument(f"{field}.crc32", f"checksum mismatch for {chunk.name!r} at offset {chunk.offset}: "
+                                                     f"the chunk says {chunk.crc32:#010x}, its data has {actual:#010x}")
+        buffer = self.buffers.get(chunk.name)
+        if buffer is None:
+            buffer = self.buffers[chunk.name] = np.empty(size, dtype=np.uint8)
+        buffer[chunk.offset : chunk.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.received[chunk.name] = done + len(data)
+        self.bytes_received += len(data)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The staged tensors, once every one named is complete."""
+        v = Violations()
+        v.check(bool(self.buffers), "chunk", "the update names no tensor")
+        for name, got in self.received.items():
+            need = self.specs[name].nbytes
+            v.check(got == need, "commit", f"tensor {name!r} is incomplete: {got} of {need} bytes arrived")
+        v.raise_if_any()
+        return {name: torch.from_numpy(buffer).view(self.specs[name].dtype).reshape(self.specs[name].shape)
+                for name, buffer in self.buffers.items()}
+
+
+def load_checkpoint(path: str, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """The tensors of every *.safetensors file in a local directory, checked by name and
+    shape against the model and cast to its dtypes (a checkpoint may be saved in another)."""
+    from safetensors import safe_open
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise invalid_argument("path", f"{path!r} is not a local directory")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise invalid_argument("path", f"{path!r} holds no .safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    v = Violations()
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                spec = specs.get(name)
+                if spec is None:
+                    v.add("path", f"{file.name}: the model has no tensor {name!r}")
+                    continue
+                tensor = handle.get_tensor(name)
+                if tuple(tensor.shape) != spec.shape:
+                    v.add("path", f"{file.name}: {name!r} has shape {list(tensor.shape)}, the model {list(spec.shape)}")
+                    continue
+                tensors[name] = tensor.to(spec.dtype)
+    v.raise_if_any()
+    return tensors
