@@ -66,8 +66,10 @@ class BootstrapConfig:
     max_context_tokens: int = 2048
     solution_copies: int = 2  # first-turn copies of each passing example (broken ones: 1)
     debug_turns: bool = True  # add broken -> feedback -> fixed dialogues (and a 3-turn one per task)
-    steps: int = 400
+    epochs: float = 100.0  # passes over the training tokens (the warm start memorizes the examples) ...
+    max_steps: int = 600  # ... but at most this many optimizer steps
     batch_tokens: int = 4096  # padded tokens per optimizer step
+    bf16: bool = True  # bfloat16 autocast for matmuls where the CPU has native bf16 (fp32 elsewhere)
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
@@ -76,8 +78,9 @@ class BootstrapConfig:
         return dataclasses.asdict(self)
 
 
-FAST_CONFIG = dataclasses.replace(BootstrapConfig(), hidden_size=64, num_layers=2, intermediate_size=192, steps=120,
-                                  vocab_size=1024, max_context_tokens=1024)
+# For tests of the bootstrap itself (determinism, caching, the command): seconds, not minutes.
+MICRO_CONFIG = BootstrapConfig(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                               intermediate_size=64, max_context_tokens=1024, epochs=1.0, max_steps=4)
 
 
 @dataclasses.dataclass
@@ -148,17 +151,18 @@ def build_dialogues(tasks: Sequence[sandbox_pb2.Task], config: BootstrapConfig) 
             for example in passing:
                 for _ in range(config.solution_copies):
                     dialogues.append(Dialogue([*opening, prompts.assistant(prompts.answer(example.source, toolchain))], (1,)))
-            for example in broken:
-                dialogues.append(Dialogue([*opening, prompts.assistant(prompts.answer(example.source, toolchain))], (1,)))
-            if not config.debug_turns:
-                continue
             fixed = prompts.assistant(prompts.answer(passing[0].source, toolchain))
             turns = []
             for example in broken:
+                attempt = prompts.assistant(prompts.answer(example.source, toolchain))
+                if not config.debug_turns:
+                    dialogues.append(Dialogue([*opening, attempt], (1,)))
+                    continue
+                # The broken first answer is trained too: it is the first-turn example of this
+                # variant, and its feedback is answered by the fix.
                 verdict = _synthetic_verdict(task, example, rng, logs.get(example.source))
-                turns.append([prompts.assistant(prompts.answer(example.source, toolchain)),
-                              prompts.user(prompts.feedback(verdict))])
-                dialogues.append(Dialogue([*opening, *turns[-1], fixed], (3,)))
+                turns.append([attempt, prompts.user(prompts.feedback(verdict))])
+                dialogues.append(Dialogue([*opening, *turns[-1], fixed], (1, 3)))
             if len(turns) >= 2:
                 first, second = rng.sample(turns, 2)
                 dialogues.append(Dialogue([*opening, *first, *second, fixed], (5,)))
@@ -256,28 +260,46 @@ def _batches(examples: list[tuple[list[int], list[bool]]], config: BootstrapConf
                 yield batch
 
 
+def training_steps(examples: list[tuple[list[int], list[bool]]], config: BootstrapConfig) -> int:
+    tokens = sum(len(ids) for ids, _ in examples)
+    return max(1, min(config.max_steps, math.ceil(config.epochs * tokens / config.batch_tokens)))
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (else autocast would emulate it, slowly)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def fine_tune(model, examples: list[tuple[list[int], list[bool]]], pad_id: int, config: BootstrapConfig,
               progress: bool = True) -> list[float]:
-    """Token-mean cross-entropy on the trained tokens, AdamW with warm-up and cosine decay.
-    Returns the loss of every step."""
+    """Token-mean cross-entropy on the trained tokens, AdamW with warm-up and cosine decay
+    (to a tenth). Returns the loss of every step."""
     import torch
     from tqdm import tqdm
 
     torch.manual_seed(config.seed)
     model.train()
+    steps = training_steps(examples, config)
+    autocast = config.bf16 and native_bf16()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.98),
                                   weight_decay=config.weight_decay)
+    warmup = min(config.warmup_steps, max(1, steps // 10))
 
     def schedule(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress_ = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_))
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     batches = _batches(examples, config)
     losses: list[float] = []
-    bar = tqdm(range(config.steps), desc="warm start", unit="step", disable=not progress, leave=False)
+    bar = tqdm(range(steps), desc="warm start", unit="step", disable=not progress, leave=False)
     for _ in bar:
         batch = next(batches)
         width = max(len(examples[i][0]) for i in batch)
@@ -289,7 +311,8 @@ def fine_tune(model, examples: list[tuple[list[int], list[bool]]], pad_id: int, 
             ids[row, : len(tokens)] = torch.tensor(tokens)
             mask[row, : len(tokens)] = 1
             labels[row, : len(tokens)] = torch.where(torch.tensor(trained), torch.tensor(tokens), -100)
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, attention_mask=mask).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                                  labels[:, 1:].reshape(-1), ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)
@@ -297,7 +320,7 @@ def fine_tune(model, examples: list[tuple[list[int], list[bool]]], pad_id: int, 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses
@@ -319,6 +342,7 @@ def cache_key(tasks: Sequence[sandbox_pb2.Task], config: BootstrapConfig) -> str
     for module in (__file__, prompts.__file__):
         digest.update(Path(module).read_bytes())
     digest.update(f"{torch.__version__} {transformers.__version__} {tokenizers.__version__}".encode())
+    digest.update(f"bf16={config.bf16 and native_bf16()}".encode())
     return digest.hexdigest()[:20]
 
 
@@ -377,6 +401,9 @@ def build(tasks: Sequence[sandbox_pb2.Task], config: BootstrapConfig, out_dir: P
     threads = torch.get_num_threads()
     losses = fine_tune(model, examples, tokenizer.pad_token_id, config, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # ours is the one that counts
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     manifest = {
@@ -384,6 +411,8 @@ def build(tasks: Sequence[sandbox_pb2.Task], config: BootstrapConfig, out_dir: P
         "tasks": sorted({t.id for t in tasks if t.split in config.splits}),
         "dialogues": len(dialogues),
         "training_tokens": sum(len(ids) for ids, _ in examples),
+        "steps": len(losses),
+        "bf16_autocast": config.bf16 and native_bf16(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
         "first_loss": losses[0],

@@ -21,6 +21,10 @@ from leap.policy.v1 import policy_pb2
 FinishReason = policy_pb2.FinishReason
 
 
+class Unsupported(Exception):
+    """A valid request this backend cannot serve (FAILED_PRECONDITION for the client)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Scheduling budgets of a backend (from the service config)."""

@@ -34,7 +34,7 @@ from leap.runtime import (
 )
 from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
-from svc_policy.engine import Engine, Job, Limits, Result, Sample
+from svc_policy.engine import Engine, Job, Limits, Result, Sample, Unsupported
 from svc_policy.text import render_prompt
 from svc_policy.weights import WeightStaging, load_checkpoint
 
@@ -350,7 +350,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                     v.add(f"{field}.{name}[{bad}]", f"{ids[bad]} is not a token id below {meta.vocab_size}")
             items.append((prompt, completion))
         v.raise_if_any()
-        scores, version = await asyncio.wrap_future(entry.engine.score(items, temperature, request.top_k, top_p))
+        try:
+            pending = entry.engine.score(items, temperature, request.top_k, top_p)
+        except Unsupported as err:
+            raise failed_precondition(str(err), "UNSUPPORTED_BY_BACKEND") from None
+        scores, version = await asyncio.wrap_future(pending)
         return policy_pb2.ScoreResponse(results=[policy_pb2.ScoreResult(logprobs=s) for s in scores],
                                         weight_version=version)
 
