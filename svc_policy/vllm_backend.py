@@ -12,9 +12,10 @@ CPU machines; it pins its own torch and transformers). What it relies on:
   a sample does not depend on its batch;
 - `enable_prefix_caching=True`: the n samples of a prompt and the turns of a dialogue reuse
   the prompt's KV blocks;
-- weight updates in place: `collective_rpc` runs `model.load_weights` (checkpoint names,
-  stacked projections handled by vLLM) on every worker once nothing is in flight, then the
-  prefix cache is reset, since its blocks hold keys and values of the old weights;
+- weight updates in place: `collective_rpc("reload_weights", weights_iterator=...)` on every
+  worker once nothing is in flight (checkpoint names; vLLM re-runs its post-load processing,
+  such as fused projections and CPU weight packing), then the prefix cache is reset, since
+  its blocks hold keys and values of the old weights;
 - Score with `prompt_logprobs=0` on prompt + completion: the model's own logprobs, which
   vLLM computes before any sampling processor, so only temperature 1 without truncation.
 
@@ -49,14 +50,6 @@ FINISH = {"stop": FinishReason.FINISH_REASON_STOP, "length": FinishReason.FINISH
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def _load_weights(worker, named: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs on each vLLM worker: copy checkpoint-named tensors into the model in place."""
-    model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
-    with torch.no_grad():
-        loaded = model.load_weights(weights=iter(named))
-    return len(loaded) if loaded is not None else len(named)
 
 
 def checkpoint_specs(path: Path, served: torch.dtype) -> dict[str, TensorSpec]:
@@ -114,7 +107,7 @@ class VllmEngine(Engine):
                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                       max_num_seqs=limits.max_batch_sequences, enforce_eager=bool(getattr(config, "vllm_enforce_eager", False)))
         if self.device == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(getattr(config, "vllm_kv_cache_gb", 2.0)))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(getattr(config, "vllm_kv_cache_gb", 2))))
         else:
             kwargs["gpu_memory_utilization"] = float(getattr(config, "vllm_gpu_memory_utilization", 0.85))
             kwargs["tensor_parallel_size"] = int(getattr(config, "vllm_tensor_parallel_size", 1))
@@ -286,7 +279,10 @@ class VllmEngine(Engine):
         try:
             if job.version <= self.version:
                 raise ValueError(f"version {job.version} does not exceed the serving version {self.version}")
-            self.llm.collective_rpc(_load_weights, args=(list(job.tensors.items()),))
+            # vLLM's in-place reload: checkpoint names, re-run of the post-load processing
+            # (fused projections, CPU weight packing) layer by layer.
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(job.tensors.items()),
+                                                              "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
             self.version = job.version
             job.future.set_result(None)
