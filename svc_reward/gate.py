@@ -44,9 +44,10 @@ import dataclasses
 import enum
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from svc_reward.history import TaskRecord, record
-from svc_reward.stages import Stage
+from svc_reward.stages import STAGES, Stage
 
 
 class Mode(enum.Enum):
@@ -78,8 +79,7 @@ class Rule:
     OVER_BUDGET = "over_budget"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Rollout:
+class Rollout(NamedTuple):
     """The first-turn result of one rollout (speedup None or 0: not timed)."""
 
     stage: Stage
@@ -254,7 +254,7 @@ def _adaptive_decisions(eligible: list[_Group], total: int, params: GateParams):
 
 
 def _decide(group: _Group, params: GateParams, decision: Decision, rule: str, reason: str) -> GroupDecision:
-    histogram = {stage: 0 for stage in Stage}
+    histogram = dict.fromkeys(STAGES, 0)
     for rollout in group.rollouts:
         histogram[rollout.stage] += 1
     expanded = decision is Decision.EXPAND

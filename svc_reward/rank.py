@@ -31,11 +31,14 @@ import dataclasses
 import enum
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from svc_reward.stages import Stage
 
-# Below this spread the group-normalized baselines give every trajectory advantage 0.
+# Added to the standard deviation of the group-normalized baselines (as GRPO does).
 NORMALIZE_EPS = 1e-6
+# Outcome.key of a solved trajectory: SOLVED_KEY - turn, above every unsolved stage.
+SOLVED_KEY = 1 << 30
 
 
 class Method(enum.Enum):
@@ -46,8 +49,7 @@ class Method(enum.Enum):
     LOG_SPEEDUP = "log_speedup"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Turn:
+class Turn(NamedTuple):
     """One turn of a trajectory: the stage reached, its speedup (None or 0: not timed; only
     a passing turn's counts) and the tokens the model generated in it."""
 
@@ -56,8 +58,7 @@ class Turn:
     tokens: int = 0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What the tournament compares (see the module docstring)."""
 
     solved_turn: int | None  # 1-based turn of the first pass; None when unsolved
@@ -67,11 +68,10 @@ class Outcome:
     turns: int
 
     @property
-    def primary(self) -> tuple[int, int]:
-        """Key 1: solved beats unsolved, an earlier solve beats a later one, then the stage."""
-        if self.solved_turn is not None:
-            return (1, -self.solved_turn)
-        return (0, int(self.stage))
+    def key(self) -> int:
+        """Key 1 as one number: solved beats unsolved, an earlier solve a later one, and
+        among unsolved the later stage wins."""
+        return int(self.stage) if self.solved_turn is None else SOLVED_KEY - self.solved_turn
 
 
 def outcome_of(turns: Sequence[Turn]) -> Outcome:
@@ -116,10 +116,16 @@ class RankParams:
 
 def compare(a: Outcome, b: Outcome, speedup_margin: float, token_margin: float) -> int:
     """+1 when a beats b, -1 when b beats a, 0 for a tie. Antisymmetric by construction."""
-    if a.primary != b.primary:
-        return 1 if a.primary > b.primary else -1
+    key_a, key_b = a.key, b.key
+    if key_a != key_b:
+        return 1 if key_a > key_b else -1
     if a.solved_turn is None:
         return 0
+    return tie_break(a, b, speedup_margin, token_margin)
+
+
+def tie_break(a: Outcome, b: Outcome, speedup_margin: float, token_margin: float) -> int:
+    """Keys 2 and 3, for two trajectories solved at the same turn: speed, then length."""
     if a.speedup is not None and b.speedup is not None:
         if a.speedup > b.speedup * (1 + speedup_margin):
             return 1
@@ -172,28 +178,54 @@ def rank_group(trajectories: Sequence[Sequence[Turn]], params: RankParams = Rank
 
 
 def tournament(outcomes: Sequence[Outcome], params: RankParams, include_matrix: bool = False) -> GroupScores:
+    """Every pair's result, counted. Key 1 is a total order, so trajectories are sorted by it
+    once: each beats every one in a lower class and loses to every one in a higher; only
+    within a class of equal solves are pairs compared on speed and length (the margins make
+    that relation intransitive, so it is pairwise). The matrix, when asked for, comes from
+    `compare` itself."""
     size = len(outcomes)
+    keys = [o.key for o in outcomes]
+    order = sorted(range(size), key=keys.__getitem__)
     wins = [0] * size
     losses = [0] * size
-    matrix = [0] * (size * size) if include_matrix else None
-    for i in range(size):
-        for j in range(i + 1, size):
-            result = compare(outcomes[i], outcomes[j], params.speedup_margin, params.token_margin)
-            if result > 0:
-                wins[i] += 1
-                losses[j] += 1
-            elif result < 0:
-                wins[j] += 1
-                losses[i] += 1
-            if matrix is not None and result:
-                matrix[i * size + j] = result
-                matrix[j * size + i] = -result
+    below = 0
+    start = 0
+    while start < size:
+        end = start + 1
+        while end < size and keys[order[end]] == keys[order[start]]:
+            end += 1
+        members = order[start:end]
+        above = size - end
+        for i in members:
+            wins[i] = below
+            losses[i] = above
+        if outcomes[members[0]].solved_turn is not None:
+            _tie_breaks(outcomes, members, params, wins, losses)
+        below = end
+        start = end
+    matrix = None
+    if include_matrix:
+        matrix = [compare(outcomes[i], outcomes[j], params.speedup_margin, params.token_margin) if i != j else 0
+                  for i in range(size) for j in range(size)]
     scores = []
     for i, outcome in enumerate(outcomes):
         reward = (wins[i] - losses[i]) / (size - 1)
         scores.append(TrajectoryScore(reward, reward, discounted(reward, outcome.turns, params.turn_discount),
                                       wins=wins[i], losses=losses[i], ties=size - 1 - wins[i] - losses[i]))
     return GroupScores(scores, matrix)
+
+
+def _tie_breaks(outcomes: Sequence[Outcome], members: list[int], params: RankParams,
+                wins: list[int], losses: list[int]) -> None:
+    for position, i in enumerate(members):
+        for j in members[position + 1:]:
+            result = tie_break(outcomes[i], outcomes[j], params.speedup_margin, params.token_margin)
+            if result > 0:
+                wins[i] += 1
+                losses[j] += 1
+            elif result < 0:
+                wins[j] += 1
+                losses[i] += 1
 
 
 def log_speedup_reward(outcome: Outcome, failure_penalty: float) -> float:

@@ -29,7 +29,7 @@ from leap.runtime.logging import get_logger
 from svc_reward import gate as dcp
 from svc_reward import rank as ranking
 from svc_reward.history import HistoryFile, HistoryFileError, TaskRecord
-from svc_reward.stages import STAGE_VALUES, Stage, parse_stage
+from svc_reward.stages import Stage, parse_stage
 from svc_reward.stats import RewardStats, histogram_edges
 
 SERVICE_NAME = "leap.reward.v1.RewardService"
@@ -257,23 +257,22 @@ def check_size(count: int, noun: str, path: str, max_size: int, violations: Viol
         violations.add(path, f"a group may hold at most {max_size} {noun} (max_group_size), got {count}")
 
 
-def check_stage(stage: int, path: str, violations: Violations) -> Stage:
-    if stage in STAGE_VALUES:
-        return STAGES[stage]
+def valid_speedup(speedup: float) -> bool:
+    """Unset reads as 0, which means not timed; NaN fails both comparisons."""
+    return 0.0 <= speedup < math.inf
+
+
+def report_stage(stage: int, path: str, violations: Violations) -> None:
     name = common_pb2.Stage.Name(stage) if stage in common_pb2.Stage.values() else str(stage)
     violations.add(path, f"must be a stage from STAGE_FORMAT to STAGE_PASSED, got {name}")
-    return Stage.FORMAT
 
 
-def check_speedup(message, path: str, violations: Violations) -> float | None:
-    """The speedup of a rollout or turn: None when unset or 0 (not timed)."""
-    if not message.HasField("speedup"):
-        return None
-    speedup = message.speedup
-    if not (math.isfinite(speedup) and speedup >= 0):
-        violations.add(path, f"must be a finite number >= 0 (leave it unset when not timed), got {speedup!r}")
-        return None
-    return speedup or None
+def report_speedup(speedup: float, path: str, violations: Violations) -> None:
+    violations.add(path, f"must be a finite number >= 0 (leave it unset when not timed), got {speedup!r}")
+
+
+# The two loops below run for every rollout and turn of a batch, so they build field paths
+# only for what is wrong.
 
 
 def gate_groups(request: reward_pb2.GateRequest, max_size: int,
@@ -281,14 +280,17 @@ def gate_groups(request: reward_pb2.GateRequest, max_size: int,
     violations.check(len(request.groups) > 0, "groups", "at least one group is required")
     groups = []
     for g, group in enumerate(request.groups):
-        path = f"groups[{g}]"
-        violations.check(bool(group.task_id), f"{path}.task_id", "is required")
-        check_size(len(group.rollouts), "rollouts", f"{path}.rollouts", max_size, violations)
+        violations.check(bool(group.task_id), f"groups[{g}].task_id", "is required")
+        if not 2 <= len(group.rollouts) <= max_size:
+            check_size(len(group.rollouts), "rollouts", f"groups[{g}].rollouts", max_size, violations)
         rollouts = []
         for r, rollout in enumerate(group.rollouts):
-            where = f"{path}.rollouts[{r}]"
-            stage = check_stage(rollout.stage, f"{where}.stage", violations)
-            rollouts.append(dcp.Rollout(stage, check_speedup(rollout, f"{where}.speedup", violations)))
+            stage, speedup = STAGES.get(rollout.stage), rollout.speedup
+            if stage is None:
+                report_stage(rollout.stage, f"groups[{g}].rollouts[{r}].stage", violations)
+            if not valid_speedup(speedup):
+                report_speedup(speedup, f"groups[{g}].rollouts[{r}].speedup", violations)
+            rollouts.append(dcp.Rollout(stage or Stage.FORMAT, speedup or None))
         groups.append((group.task_id, rollouts))
     return groups
 
@@ -298,19 +300,24 @@ def rank_groups(request: reward_pb2.RankRequest, max_size: int,
     violations.check(len(request.groups) > 0, "groups", "at least one group is required")
     groups = []
     for g, group in enumerate(request.groups):
-        path = f"groups[{g}].trajectories"
-        check_size(len(group.trajectories), "trajectories", path, max_size, violations)
+        if not 2 <= len(group.trajectories) <= max_size:
+            check_size(len(group.trajectories), "trajectories", f"groups[{g}].trajectories", max_size, violations)
         trajectories = []
         for t, trajectory in enumerate(group.trajectories):
-            violations.check(len(trajectory.turns) > 0, f"{path}[{t}].turns", "at least one turn is required")
             turns = []
             for k, turn in enumerate(trajectory.turns):
-                where = f"{path}[{t}].turns[{k}]"
-                stage = check_stage(turn.stage, f"{where}.stage", violations)
-                speedup = check_speedup(turn, f"{where}.speedup", violations)
-                if turn.generated_tokens < 0:
-                    violations.add(f"{where}.generated_tokens", f"must be >= 0, got {turn.generated_tokens}")
-                turns.append(ranking.Turn(stage, speedup, max(turn.generated_tokens, 0)))
+                stage, speedup, tokens = STAGES.get(turn.stage), turn.speedup, turn.generated_tokens
+                if stage is None or tokens < 0 or not valid_speedup(speedup):
+                    where = f"groups[{g}].trajectories[{t}].turns[{k}]"
+                    if stage is None:
+                        report_stage(turn.stage, f"{where}.stage", violations)
+                    if not valid_speedup(speedup):
+                        report_speedup(speedup, f"{where}.speedup", violations)
+                    if tokens < 0:
+                        violations.add(f"{where}.generated_tokens", f"must be >= 0, got {tokens}")
+                turns.append(ranking.Turn(stage or Stage.FORMAT, speedup or None, tokens))
+            if not turns:
+                violations.add(f"groups[{g}].trajectories[{t}].turns", "at least one turn is required")
             trajectories.append(turns)
         groups.append(trajectories)
     return groups

@@ -23,7 +23,7 @@ class Stage(enum.IntEnum):
         return self.name.lower()
 
 
-STAGE_VALUES = frozenset(int(stage) for stage in Stage)
+STAGES = tuple(Stage)  # in order, FORMAT first
 
 
 def parse_stage(text: str) -> Stage:

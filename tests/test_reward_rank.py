@@ -94,16 +94,16 @@ def improved(trajectory: list[Turn], change: Improvement) -> list[Turn] | None:
         return None
     turn = trajectory[change.turn]
     if change.kind == "fewer_tokens":
-        better = dataclasses.replace(turn, tokens=int(turn.tokens * (1 - change.amount)))
+        better = turn._replace(tokens=int(turn.tokens * (1 - change.amount)))
     elif change.kind == "faster":
         if turn.stage != Stage.PASSED or not turn.speedup:
             return None
-        better = dataclasses.replace(turn, speedup=turn.speedup * (1 + 10 * change.amount))
+        better = turn._replace(speedup=turn.speedup * (1 + 10 * change.amount))
     else:
         if turn.stage == Stage.PASSED or turn.speedup is not None:
             return None
         higher = [stage for stage in Stage if stage > turn.stage]
-        better = dataclasses.replace(turn, stage=higher[int(change.amount * len(higher))])
+        better = turn._replace(stage=higher[int(change.amount * len(higher))])
     return [*trajectory[:change.turn], better, *trajectory[change.turn + 1:]]
 
 
@@ -136,15 +136,15 @@ def test_improving_an_outcome_on_any_key_never_lowers_its_reward(data, group):
     o = group[index]
     key = data.draw(st.sampled_from(["solve", "earlier", "stage", "faster", "fewer_tokens"]))
     if key == "solve" and o.solved_turn is None:
-        better = dataclasses.replace(o, solved_turn=3, stage=Stage.PASSED)
+        better = o._replace(solved_turn=3, stage=Stage.PASSED)
     elif key == "earlier" and o.solved_turn is not None and o.solved_turn > 1:
-        better = dataclasses.replace(o, solved_turn=o.solved_turn - 1)
+        better = o._replace(solved_turn=o.solved_turn - 1)
     elif key == "stage" and o.solved_turn is None and o.stage < Stage.CORRECT:
-        better = dataclasses.replace(o, stage=Stage(o.stage + 1))
+        better = o._replace(stage=Stage(o.stage + 1))
     elif key == "faster" and o.speedup is not None:
-        better = dataclasses.replace(o, speedup=o.speedup * data.draw(st.floats(1.0, 10.0)))
+        better = o._replace(speedup=o.speedup * data.draw(st.floats(1.0, 10.0)))
     elif key == "fewer_tokens":
-        better = dataclasses.replace(o, tokens=data.draw(st.integers(0, o.tokens)))
+        better = o._replace(tokens=data.draw(st.integers(0, o.tokens)))
     else:
         assume(False)
     before = tournament(group, TOURNAMENT).trajectories[index].reward
@@ -168,8 +168,8 @@ def test_equal_outcomes_get_equal_rewards(data, group):
 
 def reshuffled_tokens(trajectory: list[Turn]) -> list[Turn]:
     total = sum(turn.tokens for turn in trajectory)
-    moved = [dataclasses.replace(turn, tokens=0) for turn in trajectory]
-    moved[-1] = dataclasses.replace(moved[-1], tokens=total)
+    moved = [turn._replace(tokens=0) for turn in trajectory]
+    moved[-1] = moved[-1]._replace(tokens=total)
     return moved
 
 
@@ -196,6 +196,18 @@ def test_the_margins_make_near_equal_speedups_and_token_counts_tie(speedup, spee
     # Within the speed margin, beyond the token margin the shorter one wins.
     shorter = [solved(speedup, tokens), solved(speedup, math.ceil(tokens * (1 + token_margin) * 1.01) + 1)]
     assert rewards_of(shorter, params) == [1.0, -1.0]
+
+
+@PROPERTY
+@given(groups)
+def test_the_counted_tournament_agrees_with_every_pairwise_comparison(group):
+    scores = rank_group(group, TOURNAMENT, include_matrix=True)
+    size = len(group)
+    matrix = scores.matrix
+    for i, score in enumerate(scores.trajectories):
+        row = matrix[i * size:(i + 1) * size]
+        assert (score.wins, score.losses, score.ties) == (row.count(1), row.count(-1), row.count(0) - 1)
+        assert all(matrix[i * size + j] == -matrix[j * size + i] for j in range(size))
 
 
 # DESIGN.md's order, key by key -----------------------------------------------------------
