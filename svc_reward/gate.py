@@ -137,7 +137,7 @@ class GroupDecision:
 
 @dataclasses.dataclass
 class GateTotals:
-    """Totals of one call."""
+    """Totals of one call, or of many (`add`)."""
 
     groups: int = 0
     simple: int = 0
@@ -149,6 +149,10 @@ class GateTotals:
     @property
     def expanded_share(self) -> float:
         return self.expanded / self.groups if self.groups else 0.0
+
+    def add(self, other: GateTotals) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
 
 @dataclasses.dataclass

@@ -191,10 +191,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             histories=[task_history(self.history[task_id]) for task_id in wanted if task_id in self.history])
 
     async def GetStats(self, request: reward_pb2.GetStatsRequest, context) -> reward_pb2.GetStatsResponse:
-        s = self.stats
+        s, gated = self.stats, self.stats.gated
         return reward_pb2.GetStatsResponse(
-            groups_gated=s.groups_gated, simple=s.simple, catastrophic=s.catastrophic, expanded=s.expanded,
-            over_budget=s.over_budget, expanded_share=s.expanded_share, evaluations_saved=s.evaluations_saved,
+            groups_gated=gated.groups, simple=gated.simple, catastrophic=gated.catastrophic, expanded=gated.expanded,
+            over_budget=gated.over_budget, expanded_share=gated.expanded_share,
+            evaluations_saved=gated.evaluations_saved,
             decisions_by_reason=dict(s.decisions_by_reason), trajectories_ranked=s.trajectories_ranked,
             reward_histogram=reward_pb2.Histogram(edges=histogram_edges(), counts=s.reward_counts),
             groups_ranked=s.groups_ranked, trajectories_by_method=dict(s.trajectories_by_method),

@@ -6,7 +6,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
-from svc_reward.gate import GateResult
+from svc_reward.gate import GateResult, GateTotals
 
 HISTOGRAM_BINS = 20  # over [-1, 1]: width 0.1
 
@@ -24,30 +24,15 @@ def histogram_edges(bins: int = HISTOGRAM_BINS) -> list[float]:
 
 @dataclasses.dataclass
 class RewardStats:
-    groups_gated: int = 0
-    simple: int = 0
-    catastrophic: int = 0
-    expanded: int = 0
-    over_budget: int = 0
-    evaluations_saved: int = 0
+    gated: GateTotals = dataclasses.field(default_factory=GateTotals)
     decisions_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     groups_ranked: int = 0
     trajectories_ranked: int = 0
     trajectories_by_method: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     reward_counts: list[int] = dataclasses.field(default_factory=lambda: [0] * HISTOGRAM_BINS)
 
-    @property
-    def expanded_share(self) -> float:
-        return self.expanded / self.groups_gated if self.groups_gated else 0.0
-
     def add_gate(self, result: GateResult) -> None:
-        totals = result.totals
-        self.groups_gated += totals.groups
-        self.simple += totals.simple
-        self.catastrophic += totals.catastrophic
-        self.expanded += totals.expanded
-        self.over_budget += totals.over_budget
-        self.evaluations_saved += totals.evaluations_saved
+        self.gated.add(result.totals)
         self.decisions_by_reason.update(decision.rule for decision in result.decisions)
 
     def add_rank(self, method: str, rewards_per_group: Iterable[list[float]], histogram: bool) -> None:

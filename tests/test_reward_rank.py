@@ -24,6 +24,7 @@ from svc_reward.rank import (
     tournament,
 )
 from svc_reward.stages import Stage
+from svc_reward.stats import histogram_edges, reward_bin
 
 PROPERTY = settings(max_examples=150, deadline=None)
 TOURNAMENT = RankParams()
@@ -323,3 +324,9 @@ def test_params_out_of_range_are_named():
     assert [name for name, _ in bad.problems()] == ["speedup_margin", "token_margin", "turn_discount",
                                                     "failure_penalty"]
     assert RankParams().problems() == []
+
+
+def test_reward_histogram_bins_put_edges_in_the_bin_they_open():
+    edges = histogram_edges()
+    assert edges[0] == -1.0 and edges[-1] == 1.0 and len(edges) == 21
+    assert [reward_bin(r) for r in (-1.0, -0.95, 3 / 15, 0.0, 1.0)] == [0, 0, 12, 10, 19]
