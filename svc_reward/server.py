@@ -162,22 +162,27 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def Rank(self, request: reward_pb2.RankRequest, context) -> reward_pb2.RankResponse:
         pairs = sum(len(group.trajectories) ** 2 for group in request.groups) // 2
         if pairs > OFFLOAD_ABOVE_PAIRS:
-            return await asyncio.to_thread(self.rank_now, request)
-        return self.rank_now(request)
+            response, method, rewards = await asyncio.to_thread(self.rank_now, request)
+        else:
+            response, method, rewards = self.rank_now(request)
+        # Counted here, on the event loop, so a ranking on a worker thread never races another.
+        self.stats.add_rank(method.value, rewards, histogram=method is ranking.Method.TOURNAMENT)
+        return response
 
-    def rank_now(self, request: reward_pb2.RankRequest) -> reward_pb2.RankResponse:
+    def rank_now(self, request: reward_pb2.RankRequest):
+        """(response, method, rewards per group); touches no shared state, so safe on any thread."""
+        """Validate, score and answer (no shared state touched: safe on any thread)."""
         violations = Violations()
         params = rank_params(request.config, self.rank_defaults, violations)
         groups = rank_groups(request, self.config.max_group_size, violations)
         violations.raise_if_any()
         scored = [ranking.rank_group(group, params, request.config.include_matrix) for group in groups]
-        self.stats.add_rank(params.method.value, ([t.reward for t in s.trajectories] for s in scored),
-                            histogram=params.method is ranking.Method.TOURNAMENT)
-        return reward_pb2.RankResponse(results=[
+        response = reward_pb2.RankResponse(results=[
             reward_pb2.RankResult(task_id=group.task_id, trajectories=[trajectory_reward(t) for t in s.trajectories],
                                   outcome_matrix=s.matrix or ())
             for group, s in zip(request.groups, scored)
         ])
+        return response, params.method, [[t.reward for t in s.trajectories] for s in scored]
 
     # History and stats --------------------------------------------------------------------
 
