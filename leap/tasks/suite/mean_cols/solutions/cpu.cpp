@@ -1,0 +1,13 @@
+#include <math.h>
+#include <stdint.h>
+
+extern "C" void mean_cols(const float* x, float* y, int64_t m, int64_t n) {
+    #pragma omp parallel for
+    for (int64_t j = 0; j < n; j++) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            sum += x[i * n + j];
+        }
+        y[j] = sum / m;
+    }
+}
