@@ -58,13 +58,14 @@ class BootstrapConfig:
     splits: tuple[str, ...] = ("train",)  # task splits whose examples are trained on
     toolchains: tuple[str, ...] = ("cpu",)  # example toolchains trained on
     vocab_size: int = 2048
+    min_pair_count: int = 1  # BPE merges pairs seen this often (1: long tokens, short sequences)
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 384
     max_context_tokens: int = 2048
-    solution_copies: int = 2  # first-turn copies of each passing example (broken ones: 1)
+    solution_copies: int = 2  # first-turn copies of each solution (slow and broken variants: 1)
     debug_turns: bool = True  # add broken -> feedback -> fixed dialogues (and a 3-turn one per task)
     epochs: float = 100.0  # passes over the training tokens (the warm start memorizes the examples) ...
     max_steps: int = 600  # ... but at most this many optimizer steps
@@ -149,7 +150,8 @@ def build_dialogues(tasks: Sequence[sandbox_pb2.Task], config: BootstrapConfig) 
                 continue
             opening = prompts.first_turn(task, toolchain)
             for example in passing:
-                for _ in range(config.solution_copies):
+                copies = config.solution_copies if example.kind == Kind.EXAMPLE_KIND_SOLUTION else 1
+                for _ in range(copies):
                     dialogues.append(Dialogue([*opening, prompts.assistant(prompts.answer(example.source, toolchain))], (1,)))
             fixed = prompts.assistant(prompts.answer(passing[0].source, toolchain))
             turns = []
@@ -165,7 +167,7 @@ def build_dialogues(tasks: Sequence[sandbox_pb2.Task], config: BootstrapConfig) 
                 dialogues.append(Dialogue([*opening, *turns[-1], fixed], (1, 3)))
             if len(turns) >= 2:
                 first, second = rng.sample(turns, 2)
-                dialogues.append(Dialogue([*opening, *first, *second, fixed], (5,)))
+                dialogues.append(Dialogue([*opening, *first, *second, fixed], (1, 5)))
     return dialogues
 
 
@@ -206,7 +208,7 @@ def train_tokenizer(texts: Sequence[str], config: BootstrapConfig):
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, min_frequency=2, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, min_frequency=config.min_pair_count, show_progress=False,
                                   special_tokens=[PAD_TOKEN, *prompts.SPECIAL_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(texts, trainer)

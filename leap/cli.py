@@ -9,7 +9,7 @@ import sys
 
 from leap import __version__
 
-COMMANDS = ["serve", "up", "health"]
+COMMANDS = ["serve", "up", "health", "bootstrap-model"]
 
 
 def build_parser() -> argparse.ArgumentParser:
