@@ -66,12 +66,13 @@ class BootstrapConfig:
     intermediate_size: int = 384
     max_context_tokens: int = 2048
     solution_copies: int = 2  # first-turn copies of each solution (slow and broken variants: 1)
-    debug_turns: bool = True  # add broken -> feedback -> fixed dialogues (and a 3-turn one per task)
-    epochs: float = 100.0  # passes over the training tokens (the warm start memorizes the examples) ...
-    max_steps: int = 600  # ... but at most this many optimizer steps
-    batch_tokens: int = 4096  # padded tokens per optimizer step
+    debug_turns: bool = True  # add broken -> feedback -> fixed dialogues
+    three_turn: bool = False  # and one broken -> feedback -> broken -> feedback -> fixed per task
+    epochs: float = 50.0  # passes over the training tokens (the warm start memorizes the examples) ...
+    max_steps: int = 1000  # ... but at most this many optimizer steps
+    batch_tokens: int = 2048  # padded tokens per optimizer step
     bf16: bool = True  # bfloat16 autocast for matmuls where the CPU has native bf16 (fp32 elsewhere)
-    learning_rate: float = 3e-3
+    learning_rate: float = 5e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
 
@@ -165,7 +166,7 @@ def build_dialogues(tasks: Sequence[sandbox_pb2.Task], config: BootstrapConfig) 
                 verdict = _synthetic_verdict(task, example, rng, logs.get(example.source))
                 turns.append([attempt, prompts.user(prompts.feedback(verdict))])
                 dialogues.append(Dialogue([*opening, *turns[-1], fixed], (1, 3)))
-            if len(turns) >= 2:
+            if config.three_turn and len(turns) >= 2:
                 first, second = rng.sample(turns, 2)
                 dialogues.append(Dialogue([*opening, *first, *second, fixed], (1, 5)))
     return dialogues

@@ -7,14 +7,13 @@ touched before the commit.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from leap.clients.weights import PROTO_TO_TORCH
+from leap.clients.weights import PROTO_TO_TORCH, crc32
 from leap.common.v1 import common_pb2
 from leap.policy.v1 import policy_pb2
 from leap.runtime import Violations, invalid_argument
@@ -61,7 +60,7 @@ class WeightStaging:
         v.check(chunk.offset + len(data) <= size, f"{field}.data",
                 f"{chunk.name!r} has {size} bytes; this chunk ends at byte {chunk.offset + len(data)}")
         v.raise_if_any()
-        actual = zlib.crc32(data)
+        actual = crc32(data)
         if actual != chunk.crc32:
             raise invalid_argument(f"{field}.crc32", f"checksum mismatch for {chunk.name!r} at offset {chunk.offset}: "
                                                      f"the chunk says {chunk.crc32:#010x}, its data has {actual:#010x}")

@@ -29,7 +29,7 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not i
 
 def test_dialogues_are_the_trainers_format():
     tasks = tiny_suite()
-    dialogues = bootstrap.build_dialogues(tasks, bootstrap.BootstrapConfig())
+    dialogues = bootstrap.build_dialogues(tasks, dataclasses.replace(bootstrap.BootstrapConfig(), three_turn=True))
     train = [t for t in tasks if t.split == "train"]
     assert {d.messages[0].content for d in dialogues} == {prompts.task_prompt(t) for t in train}
     task = train[0]

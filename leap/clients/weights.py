@@ -18,12 +18,18 @@ embeddings) are sent once, under the first name.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import threading
-import zlib
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import torch
+
+try:  # ISA-L's CRC-32 (same polynomial as zlib's) is several times faster where installed
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
+    from zlib import crc32
 
 from leap.common.v1 import common_pb2
 from leap.policy.v1 import policy_pb2
@@ -63,10 +69,8 @@ def _unique(state_dict: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch
         yield name, tensor
 
 
-def tensor_chunks(state_dict: Mapping[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  dtype: torch.dtype | None = None) -> Iterator[policy_pb2.TensorChunk]:
-    """The chunks of every tensor of `state_dict`, in order, each at most `chunk_bytes` long
-    with its CRC-32; floating-point tensors cast to `dtype` when given."""
+def _pieces(state_dict: Mapping[str, torch.Tensor], chunk_bytes: int, dtype: torch.dtype | None
+            ) -> Iterator[tuple[str, int, list[int], int, bytes]]:
     if chunk_bytes < 1:
         raise ValueError("chunk_bytes must be at least 1")
     for name, tensor in _unique(state_dict):
@@ -78,9 +82,16 @@ def tensor_chunks(state_dict: Mapping[str, torch.Tensor], chunk_bytes: int = DEF
         shape = list(tensor.shape)
         kind = proto_dtype(tensor.dtype)
         for offset in range(0, max(len(raw), 1), chunk_bytes):
-            data = raw[offset : offset + chunk_bytes].tobytes()
-            yield policy_pb2.TensorChunk(name=name, dtype=kind, shape=shape, offset=offset, data=data,
-                                         crc32=zlib.crc32(data))
+            yield name, kind, shape, offset, raw[offset : offset + chunk_bytes].tobytes()
+
+
+def tensor_chunks(state_dict: Mapping[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  dtype: torch.dtype | None = None) -> Iterator[policy_pb2.TensorChunk]:
+    """The chunks of every tensor of `state_dict`, in order, each at most `chunk_bytes` long
+    with its CRC-32; floating-point tensors cast to `dtype` when given; tensors sharing
+    storage with an earlier one skipped."""
+    for name, kind, shape, offset, data in _pieces(state_dict, chunk_bytes, dtype):
+        yield policy_pb2.TensorChunk(name=name, dtype=kind, shape=shape, offset=offset, data=data, crc32=crc32(data))
 
 
 def update_requests(model: str, version: int, state_dict: Mapping[str, torch.Tensor],
@@ -88,10 +99,31 @@ def update_requests(model: str, version: int, state_dict: Mapping[str, torch.Ten
                     commit: bool = True) -> Iterator[policy_pb2.UpdateWeightsRequest]:
     """The messages of one UpdateWeights stream: every chunk, then the commit (unless
     `commit` is False: such a stream changes nothing on the service)."""
-    for chunk in tensor_chunks(state_dict, chunk_bytes, dtype):
-        yield policy_pb2.UpdateWeightsRequest(model=model, version=version, chunk=chunk)
+    for name, kind, shape, offset, data in _pieces(state_dict, chunk_bytes, dtype):
+        # Filled in place: a TensorChunk built apart would be copied into the request.
+        request = policy_pb2.UpdateWeightsRequest(model=model, version=version)
+        chunk = request.chunk
+        chunk.name, chunk.dtype, chunk.offset, chunk.data, chunk.crc32 = name, kind, offset, data, crc32(data)
+        chunk.shape.extend(shape)
+        yield request
     if commit:
         yield policy_pb2.UpdateWeightsRequest(model=model, version=version, commit=True)
+
+
+def keep_freed_memory(threshold_bytes: int = 256 * 1024 * 1024) -> bool:
+    """Make glibc keep and reuse freed blocks up to `threshold_bytes` instead of mapping
+    fresh pages for each (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD). Streaming weights allocates
+    a few chunk-sized buffers per chunk; fresh pages fault in at a fraction of memcpy speed
+    on virtual machines, and this is what holds a stream below 1 GB/s there. Process-wide,
+    costs resident memory that stays allocated; the policy service does it at start.
+    Returns False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, threshold_bytes)) and bool(mallopt(m_trim_threshold, 4 * threshold_bytes))
 
 
 def _served_dtype(info: policy_pb2.ModelInfo) -> torch.dtype | None:
