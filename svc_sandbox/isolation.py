@@ -220,6 +220,10 @@ def _kill_everything(pgid: int, identity: dict[str, Any], patience: float = 10.0
     deadline = time.monotonic() + patience
     uid = identity.get("uid")
     while True:
+        _reap()
+        left = _count_processes(uid, pgid) if uid is not None else len(_children_of(os.getpid(), zombies=True))
+        if left == 0 or time.monotonic() > deadline:
+            return
         if uid is not None:
             reaper = os.fork()
             if reaper == 0:
@@ -236,11 +240,7 @@ def _kill_everything(pgid: int, identity: dict[str, Any], patience: float = 10.0
                     os.killpg(os.getpgid(pid), signal.SIGKILL)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-        _reap()
-        left = _count_processes(uid, pgid) if uid is not None else len(_children_of(os.getpid(), zombies=True))
-        if left == 0 or time.monotonic() > deadline:
-            return
-        time.sleep(0.005)
+        time.sleep(0.002)
 
 
 def _children_of(pid: int, zombies: bool = False) -> list[int]:
