@@ -321,6 +321,7 @@ def run_cuda(sock: socket.socket, spec: dict[str, Any]) -> int:
                 cuda.check(cuda.lib.cudaGetLastError(), "the kernel failed")
                 if run >= int(timing.get("warmup", 2)):
                     seconds.append(cuda.elapsed_seconds(start_event, end_event))
+            cuda.sync("the kernel failed")  # whatever the timed region left running, before reading outputs
             arrays = download(outputs)
             _send_payload(sock, {"event": "timing", "candidate": seconds, "reference": [],
                                  "outputs": _outputs_header([a["name"] for a in outputs], arrays)},
