@@ -454,12 +454,10 @@ def run_kernelbench(sock: socket.socket, spec: dict[str, Any]) -> int:
     except BaseException:  # noqa: BLE001 - the candidate's failure to build is a verdict
         return _error(sock, "compile", traceback.format_exc())
     send_frame(sock, {"event": "compiled"})
-    first_inputs = None
     try:
         for trial, seed in enumerate(spec["trial_seeds"]):
             torch.manual_seed(int(seed))
             inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in problem.get_inputs()]
-            first_inputs = first_inputs if first_inputs is not None else inputs
             before = _tensor_digests(torch, inputs)
             start = _now()
             with torch.no_grad():
@@ -477,7 +475,7 @@ def run_kernelbench(sock: socket.socket, spec: dict[str, Any]) -> int:
             inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in problem.get_inputs()]
             results: list[Any] = []
 
-            def run() -> None:
+            def run(inputs: list[Any] = inputs, results: list[Any] = results) -> None:
                 with torch.no_grad():
                     results[:] = [model(*inputs)]
 

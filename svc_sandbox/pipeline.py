@@ -676,7 +676,7 @@ class _Session:
 
     def check_trials(self, trials: list[TrialData], outputs: list[str] | None, seconds: float) -> bool:
         """Receive each correctness trial and judge it; False on the first failure."""
-        request, verdict, task = self.request, self.verdict, self.request.task
+        verdict = self.verdict
         for index, trial in enumerate(trials):
             got = self._recv(seconds)
             if got is None:
