@@ -1,15 +1,24 @@
 """The TrainerService servicer: a thin layer between the contract and the algorithms.
 
-Every RPC answers UNIMPLEMENTED until issue #6 lands; health, reflection and config
-are real.
+The run RPCs come from `leap.learning.RunApi` over a `RunRegistry`; this module adds the
+trainer's config checks (config.py, preflight.py) and its job (job.py: the LEAP loop).
+GetTeacherUnion belongs to RGRPO (issue #7) and answers UNIMPLEMENTED until it lands.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
-from leap.trainer.v1 import trainer_pb2_grpc
-from leap.runtime import Registration, ServerConfig, Service, ServiceSpec
+import grpc
+
+from leap.learning.registry import RunRecord, RunRegistry
+from leap.learning.run_api import RunApi
+from leap.runtime import Registration, ServerConfig, Service, ServiceSpec, local_address, option
+from leap.runtime.errors import error_info
+from leap.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from svc_trainer import config as run_config
+from svc_trainer.preflight import preflight
 
 SERVICE_NAME = "leap.trainer.v1.TrainerService"
 
@@ -18,16 +27,66 @@ SERVICE_NAME = "leap.trainer.v1.TrainerService"
 class TrainerConfig(ServerConfig):
     """Settings of the trainer service (server settings included)."""
 
+    runs_dir: str = option("runs/trainer", "Directory of the runs: one folder per run with its record, metrics, "
+                           "TensorBoard events, plots and checkpoints (unless a run names its own output_dir).")
+    policy_address: str = option(local_address("policy"), "PolicyService target of runs that leave services.policy empty.")
+    sandbox_address: str = option(local_address("sandbox"), "SandboxService target of runs that leave services.sandbox empty.")
+    reward_address: str = option(local_address("reward"), "RewardService target of runs that leave services.reward empty.")
+    max_concurrent_runs: int = option(1, "Runs trained at once; later ones wait as PENDING.")
+    auto_resume: bool = option(True, "At start, continue runs a previous process left RUNNING (or stopped by its "
+                               "shutdown) from their last checkpoint.")
+    device: str = option("auto", "Device of the learner: auto (the GPU of this rank when present, else cpu), cpu, cuda:0 ...")
+    preflight_timeout_seconds: float = option(5.0, "How long StartRun waits for each service's health check.")
+    service_retry_seconds: float = option(60.0, "How long a run retries a service that stopped answering (with "
+                                          "backoff) before it fails with the cause and a resumable checkpoint.")
+    keep_checkpoints: int = option(3, "Checkpoints kept per run, newest first (0 keeps all); the last one is always kept.")
+    shutdown_wait_seconds: float = option(120.0, "On shutdown, how long running jobs get to finish their step and "
+                                          "checkpoint (they resume at the next start).")
+    tensorboard: bool = option(True, "Also write metrics as TensorBoard events (besides events.jsonl).")
 
-class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+
+class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
     """The GRPO learner, the LEAP loop and RGRPO teacher rounds, as runs."""
+
+    messages = trainer_pb2
+
+    def __init__(self, settings: TrainerConfig, registry: RunRegistry | None = None):
+        self.settings = settings
+        self.registry = registry or RunRegistry(settings.runs_dir, self.make_job, max_concurrent=settings.max_concurrent_runs,
+                                                auto_resume=settings.auto_resume, tensorboard=settings.tensorboard)
+
+    def default_services(self) -> trainer_pb2.ServiceAddresses:
+        s = self.settings
+        return trainer_pb2.ServiceAddresses(policy=s.policy_address, sandbox=s.sandbox_address, reward=s.reward_address)
+
+    async def prepare_config(self, config: trainer_pb2.RunConfig) -> tuple[trainer_pb2.RunConfig, int]:
+        run_config.violations(config).raise_if_any()
+        if config.rgrpo.rounds > 0:
+            raise error_info(grpc.StatusCode.UNIMPLEMENTED, "RGRPO rounds (config.rgrpo.rounds > 0) are not built yet "
+                             "(issue #7); leave rgrpo unset for a plain run", "RGRPO_NOT_BUILT")
+        filled = run_config.with_defaults(config, self.default_services())
+        filled = await preflight(filled, timeout=self.settings.preflight_timeout_seconds)
+        return filled, filled.steps
+
+    def make_job(self, record: RunRecord):
+        from svc_trainer.job import TrainingJob
+
+        return TrainingJob(self.config_of(record), self.settings)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.registry.open)
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.registry.close, self.settings.shutdown_wait_seconds)
 
 
 def build(config: TrainerConfig) -> Service:
-    servicer = TrainerServicer()
+    servicer = TrainerServicer(config)
     return Service(
         name="trainer",
         registrations=[Registration(SERVICE_NAME, trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer)],
+        on_start=servicer.start,
+        on_stop=servicer.stop,
     )
 
 

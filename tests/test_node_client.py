@@ -9,8 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from google.rpc import status_pb2
 import pytest
+from google.rpc import status_pb2
 
 from tests.conftest import ROOT, leap_serve
 
@@ -33,5 +33,16 @@ def test_node_client_calls_health_and_rank():
     with leap_serve("reward") as (address, _process):
         out = run_client(address)
     assert out["health"] == "SERVING"
-    # RewardService.Rank lands with issue #5; until then the contract answers UNIMPLEMENTED.
-    assert out["rank"]["code"] == "UNIMPLEMENTED"
+    # The group: passed at 2x, compile error, passed at 1x (all 100 tokens). The 2x beats both,
+    # the 1x beats the compile error: rewards (wins - losses) / (G - 1) = 1, -1, 0.
+    (result,) = out["rank"]["results"]
+    assert result["task_id"] == "relu"
+    scored = [(t["reward"], t["advantage"], t["wins"], t["losses"], t["ties"], t["turn_advantages"])
+              for t in result["trajectories"]]
+    assert scored == [(1, 1, 2, 0, 0, [1]), (-1, -1, 0, 2, 0, [-1]), (0, 0, 1, 1, 0, [0])]
+    # Rank with no groups: INVALID_ARGUMENT, with a google.rpc.BadRequest decoded in Node.
+    assert out["bad"]["code"] == "INVALID_ARGUMENT"
+    (detail,) = out["bad"]["rich"]
+    assert detail["type"] == "google.rpc.BadRequest"
+    (violation,) = detail["value"]["field_violations"]
+    assert violation["field"] == "groups" and "at least one group" in violation["description"]

@@ -174,3 +174,45 @@ def test_call_log_is_json_with_request_id_method_code_latency():
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def make_certificates(directory) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed; TLS certificates cannot be made for the test")
+    d = str(directory)
+
+    def sh(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    sh("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=leap-test-ca")
+    for name in ("server", "client"):
+        sh("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        (directory / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        sh("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+           "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
+    return {name: str(directory / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+def test_tls_and_mutual_tls(tmp_path):
+    from leap.clients import connect
+
+    certs = make_certificates(tmp_path)
+    running = start(tls_cert=certs["server.pem"], tls_key=certs["server.key"], tls_client_ca=certs["ca.pem"])
+    try:
+        good = connect("reward", running.address, aio=False, tls_ca=certs["ca.pem"],
+                       tls_cert=certs["client.pem"], tls_key=certs["client.key"])
+        assert good.Rank(rank("ok")).results[0].task_id == "ok"
+        no_client_cert = connect("reward", running.address, aio=False, tls_ca=certs["ca.pem"], max_attempts=1, unary_deadline=5)
+        with pytest.raises(grpc.RpcError) as caught:
+            no_client_cert.Rank(rank("ok"))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake is refused
+        plaintext = connect("reward", running.address, aio=False, max_attempts=1, unary_deadline=5)
+        with pytest.raises(grpc.RpcError):
+            plaintext.Rank(rank("ok"))
+        for stub in (good, no_client_cert, plaintext):
+            stub.channel.close()
+    finally:
+        running.stop()

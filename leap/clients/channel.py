@@ -24,24 +24,23 @@ STREAM_DEADLINE_SECONDS = 24 * 3600.0  # streams (metrics, telemetry) are long b
 
 
 def service_config(max_attempts: int = 5) -> str:
-    """gRPC service config: round_robin, and retries with backoff for UNAVAILABLE only."""
-    return json.dumps(
-        {
-            "loadBalancingConfig": [{"round_robin": {}}],
-            "methodConfig": [
-                {
-                    "name": [{}],  # every method of every service
-                    "retryPolicy": {
-                        "maxAttempts": max_attempts,
-                        "initialBackoff": "0.1s",
-                        "maxBackoff": "2s",
-                        "backoffMultiplier": 2,
-                        "retryableStatusCodes": ["UNAVAILABLE"],
-                    },
-                }
-            ],
-        }
-    )
+    """gRPC service config: round_robin, and retries with backoff for UNAVAILABLE only
+    (max_attempts < 2 means no retries)."""
+    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if max_attempts >= 2:
+        config["methodConfig"] = [
+            {
+                "name": [{}],  # every method of every service
+                "retryPolicy": {
+                    "maxAttempts": max_attempts,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    return json.dumps(config)
 
 
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024, max_attempts: int = 5) -> list[tuple[str, Any]]:

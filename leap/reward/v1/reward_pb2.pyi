@@ -32,9 +32,19 @@ class _GateModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GateMode.Val
     GATE_MODE_UNSPECIFIED: _GateMode.ValueType  # 0
     """Not set: the service's default (static)."""
     GATE_MODE_STATIC: _GateMode.ValueType  # 1
-    """Fixed thresholds, as in DESIGN.md."""
+    """Fixed thresholds, as in DESIGN.md, in this order: failure share at or below
+    simple_threshold is SIMPLE; every rollout failed at or below catastrophic_stage is
+    CATASTROPHIC; no solve in never_solved_after attempts (this group included) is
+    CATASTROPHIC; otherwise EXPAND.
+    """
     GATE_MODE_ADAPTIVE: _GateMode.ValueType  # 2
-    """Rank eligible groups by expected value and expand the best until the budget is spent."""
+    """Rank eligible groups by expected value and expand the best until the budget is spent.
+    The catastrophic rules prune first; a group with no failure is SIMPLE; every other
+    group is eligible, whatever its failure share (simple_threshold does not apply: the
+    ranking takes its place). At most floor(expand_budget * groups in the call) eligible
+    groups are expanded, best expected value first (ties in request order); the others are
+    OVER_BUDGET. The budget is per call, so gate a step's groups in one call.
+    """
     GATE_MODE_EXPAND_ALL: _GateMode.ValueType  # 3
     """Expand every group that has a failing rollout (unpruned multi-turn, for ablation)."""
 
@@ -44,9 +54,19 @@ class GateMode(_GateMode, metaclass=_GateModeEnumTypeWrapper):
 GATE_MODE_UNSPECIFIED: GateMode.ValueType  # 0
 """Not set: the service's default (static)."""
 GATE_MODE_STATIC: GateMode.ValueType  # 1
-"""Fixed thresholds, as in DESIGN.md."""
+"""Fixed thresholds, as in DESIGN.md, in this order: failure share at or below
+simple_threshold is SIMPLE; every rollout failed at or below catastrophic_stage is
+CATASTROPHIC; no solve in never_solved_after attempts (this group included) is
+CATASTROPHIC; otherwise EXPAND.
+"""
 GATE_MODE_ADAPTIVE: GateMode.ValueType  # 2
-"""Rank eligible groups by expected value and expand the best until the budget is spent."""
+"""Rank eligible groups by expected value and expand the best until the budget is spent.
+The catastrophic rules prune first; a group with no failure is SIMPLE; every other
+group is eligible, whatever its failure share (simple_threshold does not apply: the
+ranking takes its place). At most floor(expand_budget * groups in the call) eligible
+groups are expanded, best expected value first (ties in request order); the others are
+OVER_BUDGET. The budget is per call, so gate a step's groups in one call.
+"""
 GATE_MODE_EXPAND_ALL: GateMode.ValueType  # 3
 """Expand every group that has a failing rollout (unpruned multi-turn, for ablation)."""
 Global___GateMode: _TypeAlias = GateMode  # noqa: Y015
@@ -92,11 +112,21 @@ class _RewardMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardMe
     REWARD_METHOD_UNSPECIFIED: _RewardMethod.ValueType  # 0
     """Not set: the service's default (tournament)."""
     REWARD_METHOD_TOURNAMENT: _RewardMethod.ValueType  # 1
-    """Lexicographic pairwise tournament; reward (wins - losses) / (G - 1) used as advantage."""
+    """Lexicographic pairwise tournament; reward (wins - losses) / (G - 1) used as advantage.
+    i beats j when solved at an earlier turn, or solved where j is not, or (both unsolved)
+    it reached a later stage; else, both solved at the same turn, when both are timed and
+    i's speedup exceeds j's by more than speedup_margin; else when j generated more than
+    (1 + token_margin) times i's tokens. Two unsolved at the same stage tie (no length
+    tie-break among failures).
+    """
     REWARD_METHOD_BINARY: _RewardMethod.ValueType  # 2
-    """1 when solved, else 0; advantages group-normalized (standard GRPO)."""
+    """1 when solved, else 0; advantages group-normalized (standard GRPO):
+    (r - mean) / (sample std + 1e-6), all 0 when every reward is equal.
+    """
     REWARD_METHOD_LOG_SPEEDUP: _RewardMethod.ValueType  # 3
-    """log(speedup) when solved, a fixed penalty otherwise; advantages group-normalized."""
+    """log(speedup) when solved (an untimed solve counts as speedup 1), floored at
+    failure_penalty; failure_penalty otherwise; advantages group-normalized as above.
+    """
 
 class RewardMethod(_RewardMethod, metaclass=_RewardMethodEnumTypeWrapper):
     """How rewards are computed."""
@@ -104,11 +134,21 @@ class RewardMethod(_RewardMethod, metaclass=_RewardMethodEnumTypeWrapper):
 REWARD_METHOD_UNSPECIFIED: RewardMethod.ValueType  # 0
 """Not set: the service's default (tournament)."""
 REWARD_METHOD_TOURNAMENT: RewardMethod.ValueType  # 1
-"""Lexicographic pairwise tournament; reward (wins - losses) / (G - 1) used as advantage."""
+"""Lexicographic pairwise tournament; reward (wins - losses) / (G - 1) used as advantage.
+i beats j when solved at an earlier turn, or solved where j is not, or (both unsolved)
+it reached a later stage; else, both solved at the same turn, when both are timed and
+i's speedup exceeds j's by more than speedup_margin; else when j generated more than
+(1 + token_margin) times i's tokens. Two unsolved at the same stage tie (no length
+tie-break among failures).
+"""
 REWARD_METHOD_BINARY: RewardMethod.ValueType  # 2
-"""1 when solved, else 0; advantages group-normalized (standard GRPO)."""
+"""1 when solved, else 0; advantages group-normalized (standard GRPO):
+(r - mean) / (sample std + 1e-6), all 0 when every reward is equal.
+"""
 REWARD_METHOD_LOG_SPEEDUP: RewardMethod.ValueType  # 3
-"""log(speedup) when solved, a fixed penalty otherwise; advantages group-normalized."""
+"""log(speedup) when solved (an untimed solve counts as speedup 1), floored at
+failure_penalty; failure_penalty otherwise; advantages group-normalized as above.
+"""
 Global___RewardMethod: _TypeAlias = RewardMethod  # noqa: Y015
 
 @_typing.final
@@ -122,7 +162,10 @@ class RolloutResult(_message.Message):
     stage: _common_pb2.Stage.ValueType
     """Stage the rollout's first turn stopped at. Required."""
     speedup: _builtins.float
-    """Speedup over the reference when it passed and was timed; unset otherwise."""
+    """Speedup over the reference when it passed and was timed; unset otherwise. 0 reads as
+    unset (the sandbox's Verdict.speedup is 0 when not timed); negative, NaN or infinite is
+    INVALID_ARGUMENT. Only used by `improve_below_speedup`.
+    """
     def __init__(
         self,
         *,
@@ -151,7 +194,9 @@ class GateGroup(_message.Message):
     """Task id. Required."""
     @_builtins.property
     def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutResult]:
-        """The G first-turn results. Required, at least two."""
+        """The G first-turn results. Required, at least two and at most the service's
+        max_group_size (default 1024).
+        """
 
     def __init__(
         self,
@@ -184,17 +229,23 @@ class GateConfig(_message.Message):
     mode: Global___GateMode.ValueType
     """How decisions are made."""
     simple_threshold: _builtins.float
-    """A group with failure share f/G at or below this is simple. Default 0.5."""
+    """Static mode: a group with failure share f/G at or below this is simple, in [0, 1].
+    Default 0.5.
+    """
     catastrophic_stage: _common_pb2.Stage.ValueType
     """When every rollout fails and the best stage reached is at or below this stage, the group
-    is catastrophic. Default STAGE_COMPILE.
+    is catastrophic. STAGE_FORMAT to STAGE_CORRECT. Default STAGE_COMPILE.
     """
     never_solved_after: _builtins.int
-    """A task whose history shows at least this many attempts and no solve is catastrophic;
-    0 means the service's default (32); a negative value turns the rule off.
+    """A task whose history shows at least this many attempts (first-turn rollouts, this
+    group's included) and no solve is catastrophic; 0 means the service's default (32); a
+    negative value turns the rule off. Counting this group means a group with a pass is
+    never pruned by this rule.
     """
     max_turns: _builtins.int
-    """Turns in all, the first one included, for an expanded group (K). Default 3."""
+    """Turns in all, the first one included, for an expanded group (K), at least 1; 0 means
+    the service's default (3).
+    """
     expand_budget: _builtins.float
     """Adaptive mode: target share of groups to expand, in [0, 1]. Default 0.5."""
     history_decay: _builtins.float
@@ -202,8 +253,9 @@ class GateConfig(_message.Message):
     Default 0.3.
     """
     improve_below_speedup: _builtins.float
-    """Passing rollouts with a speedup below this also get debugging turns (to improve
-    speed); 0 turns this off. Default 0.
+    """In an expanded group, passing rollouts timed below this speedup also get debugging
+    turns (to improve speed); it never changes a decision, and an untimed passing rollout
+    is left alone. 0 means the service's default, which is 0: off.
     """
     def __init__(
         self,
@@ -246,7 +298,9 @@ class GateRequest(_message.Message):
     CONFIG_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
     dry_run: _builtins.bool
-    """Decide without recording the groups in the task history."""
+    """Decide without recording the groups in the task history or in the service's stats.
+    Decisions and histories in the response are what a real call would give now.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GateGroup]:
         """Groups to gate. Required, at least one."""
@@ -356,6 +410,7 @@ class GateDecision(_message.Message):
     MAX_TURNS_FIELD_NUMBER: _builtins.int
     EXPECTED_VALUE_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    RULE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """Task id."""
     decision: Global___Decision.ValueType
@@ -369,7 +424,15 @@ class GateDecision(_message.Message):
     max_turns: _builtins.int
     """Turns in all for the expanded rollouts (K); 1 when not expanded."""
     expected_value: _builtins.float
-    """Expected value of expanding, used by the adaptive mode, in [0, 1]."""
+    """Expected value of expanding, used by the adaptive mode (reported in every mode), in
+    [0, 1]: 1 - |2p - 1|, the closeness to 1/2 of the task's pass rate p estimated as the
+    history's moving average after this group (the group's own rate for a new task).
+    """
+    rule: _builtins.str
+    """The rule that decided, as counted in GetStatsResponse.decisions_by_reason: "simple",
+    "catastrophic:stage", "catastrophic:history", "expand" (static), "expand:budget"
+    (adaptive), "expand:all" (expand-all mode) or "over_budget".
+    """
     @_builtins.property
     def stage_histogram(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageCount]:
         """Rollouts per stage reached."""
@@ -380,7 +443,7 @@ class GateDecision(_message.Message):
 
     @_builtins.property
     def history(self) -> Global___TaskHistory:
-        """The task's history after this group was recorded."""
+        """The task's history after this group was recorded (or would be, on a dry run)."""
 
     def __init__(
         self,
@@ -395,10 +458,11 @@ class GateDecision(_message.Message):
         max_turns: _builtins.int = ...,
         expected_value: _builtins.float = ...,
         history: Global___TaskHistory | None = ...,
+        rule: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["history", b"history"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "expand_rollouts", b"expand_rollouts", "expected_value", b"expected_value", "failures", b"failures", "group_size", b"group_size", "history", b"history", "max_turns", b"max_turns", "reason", b"reason", "stage_histogram", b"stage_histogram", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "expand_rollouts", b"expand_rollouts", "expected_value", b"expected_value", "failures", b"failures", "group_size", b"group_size", "history", b"history", "max_turns", b"max_turns", "reason", b"reason", "rule", b"rule", "stage_histogram", b"stage_histogram", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -431,7 +495,9 @@ class GateSummary(_message.Message):
     """expanded / groups."""
     evaluations_saved: _builtins.int
     """Debugging turns saved against expanding every failing rollout of every group to K turns
-    (an upper bound on the sandbox evaluations saved).
+    (an upper bound on the sandbox evaluations saved): for each group not expanded that has
+    a failure, (K - 1) times the rollouts expansion would have given turns to (its failing
+    ones, plus slow passing ones under improve_below_speedup). 0 in expand-all mode.
     """
     def __init__(
         self,
@@ -495,7 +561,10 @@ class TurnResult(_message.Message):
     """Stage reached. Required."""
     speedup: _builtins.float
     """Speedup over the reference; set only when the turn passed and was timed. Unset is the
-    documented neutral value: no speed tie-break for this turn.
+    documented neutral value: no speed tie-break for this turn (log-speedup counts an
+    untimed solve as speedup 1). 0 reads as unset (the sandbox's Verdict.speedup is 0 when
+    not timed); on a turn that did not pass it is ignored; negative, NaN or infinite is
+    INVALID_ARGUMENT.
     """
     generated_tokens: _builtins.int
     """Tokens the model generated in this turn. Must be >= 0."""
@@ -518,7 +587,10 @@ Global___TurnResult: _TypeAlias = TurnResult  # noqa: Y015
 
 @_typing.final
 class Trajectory(_message.Message):
-    """One rollout's whole multi-turn dialogue."""
+    """One rollout's whole multi-turn dialogue. Its outcome is the best artifact it produced:
+    solved at its first passing turn; if unsolved, the best stage reached over its turns;
+    speed, the best speedup over its passing turns; length, the tokens of all its turns.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -552,7 +624,7 @@ class RankGroup(_message.Message):
     """Task id."""
     @_builtins.property
     def trajectories(self) -> _containers.RepeatedCompositeFieldContainer[Global___Trajectory]:
-        """The G trajectories. Required, at least two."""
+        """The G trajectories. Required, at least two and at most the service's max_group_size."""
 
     def __init__(
         self,
@@ -579,6 +651,7 @@ class RankConfig(_message.Message):
     TOKEN_MARGIN_FIELD_NUMBER: _builtins.int
     TURN_DISCOUNT_FIELD_NUMBER: _builtins.int
     INCLUDE_MATRIX_FIELD_NUMBER: _builtins.int
+    FAILURE_PENALTY_FIELD_NUMBER: _builtins.int
     method: Global___RewardMethod.ValueType
     """Reward method."""
     speedup_margin: _builtins.float
@@ -591,10 +664,16 @@ class RankConfig(_message.Message):
     """
     turn_discount: _builtins.float
     """Per-turn discount gamma in (0, 1] for per-turn advantages of multi-turn returns
-    (Kevin used 0.4). Default 1 (no discounting).
+    (Kevin used 0.4): the trajectory's advantage is a terminal reward of its last turn, so
+    turn t of T gets gamma^(T - t) * advantage, for every method. Default 1 (no discounting).
     """
     include_matrix: _builtins.bool
-    """Return the pairwise outcome matrix of each group."""
+    """Return the pairwise outcome matrix of each group (tournament only)."""
+    failure_penalty: _builtins.float
+    """Log-speedup: reward of an unsolved trajectory, and the floor of a solved one's
+    log(speedup), so that solving never scores below failing. Finite, <= 0. Default
+    log(0.1), about -2.303: failing counts like a kernel ten times slower than the reference.
+    """
     def __init__(
         self,
         *,
@@ -603,17 +682,22 @@ class RankConfig(_message.Message):
         token_margin: _builtins.float | None = ...,
         turn_discount: _builtins.float | None = ...,
         include_matrix: _builtins.bool = ...,
+        failure_penalty: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speedup_margin", b"_speedup_margin", "_token_margin", b"_token_margin", "_turn_discount", b"_turn_discount", "speedup_margin", b"speedup_margin", "token_margin", b"token_margin", "turn_discount", b"turn_discount"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_failure_penalty", b"_failure_penalty", "_speedup_margin", b"_speedup_margin", "_token_margin", b"_token_margin", "_turn_discount", b"_turn_discount", "failure_penalty", b"failure_penalty", "speedup_margin", b"speedup_margin", "token_margin", b"token_margin", "turn_discount", b"turn_discount"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speedup_margin", b"_speedup_margin", "_token_margin", b"_token_margin", "_turn_discount", b"_turn_discount", "include_matrix", b"include_matrix", "method", b"method", "speedup_margin", b"speedup_margin", "token_margin", b"token_margin", "turn_discount", b"turn_discount"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_failure_penalty", b"_failure_penalty", "_speedup_margin", b"_speedup_margin", "_token_margin", b"_token_margin", "_turn_discount", b"_turn_discount", "failure_penalty", b"failure_penalty", "include_matrix", b"include_matrix", "method", b"method", "speedup_margin", b"speedup_margin", "token_margin", b"token_margin", "turn_discount", b"turn_discount"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__failure_penalty: _TypeAlias = _typing.Literal["failure_penalty"]  # noqa: Y015
+    _WhichOneofArgType__failure_penalty: _TypeAlias = _typing.Literal["_failure_penalty", b"_failure_penalty"]  # noqa: Y015
     _WhichOneofReturnType__speedup_margin: _TypeAlias = _typing.Literal["speedup_margin"]  # noqa: Y015
     _WhichOneofArgType__speedup_margin: _TypeAlias = _typing.Literal["_speedup_margin", b"_speedup_margin"]  # noqa: Y015
     _WhichOneofReturnType__token_margin: _TypeAlias = _typing.Literal["token_margin"]  # noqa: Y015
     _WhichOneofArgType__token_margin: _TypeAlias = _typing.Literal["_token_margin", b"_token_margin"]  # noqa: Y015
     _WhichOneofReturnType__turn_discount: _TypeAlias = _typing.Literal["turn_discount"]  # noqa: Y015
     _WhichOneofArgType__turn_discount: _TypeAlias = _typing.Literal["_turn_discount", b"_turn_discount"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__failure_penalty) -> _WhichOneofReturnType__failure_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__speedup_margin) -> _WhichOneofReturnType__speedup_margin | None: ...
     @_typing.overload
@@ -832,7 +916,9 @@ class Histogram(_message.Message):
     COUNTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def edges(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """Bin edges, ascending; bin i covers [edges[i], edges[i+1])."""
+        """Bin edges, ascending; bin i covers [edges[i], edges[i+1]), the last bin its upper
+        edge too.
+        """
 
     @_builtins.property
     def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -878,6 +964,26 @@ class GetStatsResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class TrajectoriesByMethodEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     GROUPS_GATED_FIELD_NUMBER: _builtins.int
     SIMPLE_FIELD_NUMBER: _builtins.int
     CATASTROPHIC_FIELD_NUMBER: _builtins.int
@@ -888,6 +994,8 @@ class GetStatsResponse(_message.Message):
     DECISIONS_BY_REASON_FIELD_NUMBER: _builtins.int
     TRAJECTORIES_RANKED_FIELD_NUMBER: _builtins.int
     REWARD_HISTOGRAM_FIELD_NUMBER: _builtins.int
+    GROUPS_RANKED_FIELD_NUMBER: _builtins.int
+    TRAJECTORIES_BY_METHOD_FIELD_NUMBER: _builtins.int
     groups_gated: _builtins.int
     """Groups gated."""
     simple: _builtins.int
@@ -904,6 +1012,8 @@ class GetStatsResponse(_message.Message):
     """Sum of GateSummary.evaluations_saved."""
     trajectories_ranked: _builtins.int
     """Trajectories ranked."""
+    groups_ranked: _builtins.int
+    """Groups ranked."""
     @_builtins.property
     def decisions_by_reason(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Decisions counted by the rule that made them, for example "simple", "catastrophic:stage",
@@ -912,7 +1022,13 @@ class GetStatsResponse(_message.Message):
 
     @_builtins.property
     def reward_histogram(self) -> Global___Histogram:
-        """Histogram of rewards over [-1, 1]."""
+        """Histogram of tournament rewards over [-1, 1], in 20 bins (baseline rewards are on
+        another scale and are not in it).
+        """
+
+    @_builtins.property
+    def trajectories_by_method(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Trajectories ranked per method: "tournament", "binary", "log_speedup"."""
 
     def __init__(
         self,
@@ -927,10 +1043,12 @@ class GetStatsResponse(_message.Message):
         decisions_by_reason: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         trajectories_ranked: _builtins.int = ...,
         reward_histogram: Global___Histogram | None = ...,
+        groups_ranked: _builtins.int = ...,
+        trajectories_by_method: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reward_histogram", b"reward_histogram"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catastrophic", b"catastrophic", "decisions_by_reason", b"decisions_by_reason", "evaluations_saved", b"evaluations_saved", "expanded", b"expanded", "expanded_share", b"expanded_share", "groups_gated", b"groups_gated", "over_budget", b"over_budget", "reward_histogram", b"reward_histogram", "simple", b"simple", "trajectories_ranked", b"trajectories_ranked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catastrophic", b"catastrophic", "decisions_by_reason", b"decisions_by_reason", "evaluations_saved", b"evaluations_saved", "expanded", b"expanded", "expanded_share", b"expanded_share", "groups_gated", b"groups_gated", "groups_ranked", b"groups_ranked", "over_budget", b"over_budget", "reward_histogram", b"reward_histogram", "simple", b"simple", "trajectories_by_method", b"trajectories_by_method", "trajectories_ranked", b"trajectories_ranked"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

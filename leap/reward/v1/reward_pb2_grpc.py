@@ -86,7 +86,8 @@ class RewardServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Totals since the service started: decisions, expanded share, evaluations saved, rewards.
+        """Totals since the service started (dry runs excluded): decisions, expanded share,
+        evaluations saved, rewards.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,7 +46,9 @@ class RewardServiceStub:
     GetTaskHistory: _grpc.UnaryUnaryMultiCallable[_reward_pb2.GetTaskHistoryRequest, _reward_pb2.GetTaskHistoryResponse]
     """Reads the per-task difficulty history."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_reward_pb2.GetStatsRequest, _reward_pb2.GetStatsResponse]
-    """Totals since the service started: decisions, expanded share, evaluations saved, rewards."""
+    """Totals since the service started (dry runs excluded): decisions, expanded share,
+    evaluations saved, rewards.
+    """
 
 @_typing.type_check_only
 class RewardServiceAsyncStub(RewardServiceStub):
@@ -64,7 +66,9 @@ class RewardServiceAsyncStub(RewardServiceStub):
     GetTaskHistory: _aio.UnaryUnaryMultiCallable[_reward_pb2.GetTaskHistoryRequest, _reward_pb2.GetTaskHistoryResponse]  # type: ignore[assignment]
     """Reads the per-task difficulty history."""
     GetStats: _aio.UnaryUnaryMultiCallable[_reward_pb2.GetStatsRequest, _reward_pb2.GetStatsResponse]  # type: ignore[assignment]
-    """Totals since the service started: decisions, expanded share, evaluations saved, rewards."""
+    """Totals since the service started (dry runs excluded): decisions, expanded share,
+    evaluations saved, rewards.
+    """
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
     """Gates groups of first-turn rollouts and ranks groups of whole trajectories.
@@ -103,6 +107,8 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _reward_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_reward_pb2.GetStatsResponse, _abc.Awaitable[_reward_pb2.GetStatsResponse]]:
-        """Totals since the service started: decisions, expanded share, evaluations saved, rewards."""
+        """Totals since the service started (dry runs excluded): decisions, expanded share,
+        evaluations saved, rewards.
+        """
 
 def add_RewardServiceServicer_to_server(servicer: RewardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,437 @@
+"""The learner shared by the trainer (GRPO) and the distiller (TU-OPD): a causal LM being
+trained, its optimizer and schedule, gradient accumulation to a token budget, checkpoints,
+and the full weights to push to a policy service.
+
+The loss is the caller's: `train_step(sequences, loss_fn)` calls
+
+    loss, stats = loss_fn(logprobs, batch, normalizer, entropy)
+
+once per micro-batch, where `logprobs` [n, L] carries the gradient (see
+`leap.learning.model.token_logprobs` for the convention), `batch` is the micro-batch's
+`leap.learning.sequences.Batch` (its `values` hold whatever per-token or per-sequence numbers
+the sequences carried: advantages, old logprobs, teacher scores ...), `normalizer` counts the
+whole batch's loss tokens and sequences (so summing micro-batch losses gives the batch mean),
+and `entropy` is the policy's entropy per position (no gradient) or None. `stats` are
+detached scalars averaged over this micro-batch's kept tokens, with a `tokens` entry; they are
+combined over micro-batches and ranks by `combine_stats`.
+
+Under several processes (see `leap.learning.distributed`) the same calls run on every rank;
+`loss_fn` must then be picklable (a module-level function or a dataclass instance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence as SequenceOf
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from leap.learning import checkpoint as ckpt
+from leap.learning.distributed import World, current_world, shard_model
+from leap.learning.model import autocast, load_model, load_tokenizer, resolve_device, token_logprobs
+from leap.learning.optim import OptimizerSettings, build_optimizer
+from leap.learning.sequences import Batch, Sequence, collate, micro_batches, shard
+from leap.learning.stats import combine_stats, mean_of_passes
+
+STRATEGIES = ("auto", "none", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalizer:
+    """Counts over the whole batch (every micro-batch and rank), for batch means."""
+
+    tokens: float  # loss tokens
+    sequences: float  # sequences with at least one loss token
+
+
+LossFn = Callable[[torch.Tensor, Batch, Normalizer, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, Any]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSettings:
+    """What a learner is built from."""
+
+    model_path: str  # local Hugging Face model directory
+    optimizer: OptimizerSettings = OptimizerSettings()
+    total_updates: int = 1  # optimizer updates of the whole run, for the cosine schedule
+    temperature: float = 1.0  # the sampler's: logprobs are of softmax(logits / temperature)
+    reference: bool = False  # keep a frozen copy of the initial weights (KL to a reference)
+    reference_path: str = ""  # the reference's directory; empty means model_path
+    device: str = "auto"  # "auto": this rank's GPU when present, else cpu
+    strategy: str = "auto"  # "auto": FSDP when there are several processes; "none"; "fsdp"
+    gradient_checkpointing: bool = False
+    track_entropy: bool = True  # measure the policy's entropy while training (no gradient)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be positive")
+
+
+def collective(method: Callable) -> Callable:
+    """Run `method` on every rank: on rank 0 the call is broadcast to the followers first."""
+
+    @functools.wraps(method)
+    def wrapper(self: Learner, *args: Any, **kwargs: Any) -> Any:
+        if self.world.distributed and self.world.is_driver:
+            self.world.broadcast(("call", method.__name__, args, kwargs))
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class Learner:
+    """A trainable causal LM with its optimizer. See the module docstring."""
+
+    def __init__(self, settings: LearnerSettings, *, world: World | None = None, follower: bool = False):
+        self.settings = settings
+        self.world = world or current_world()
+        if self.world.distributed and self.world.is_driver and not follower:
+            self.world.broadcast(("create", settings))
+        self.device = resolve_device(settings.device, self.world.local_rank)
+        seed_everything(settings.seed + self.world.rank)
+        self.tokenizer = load_tokenizer(settings.model_path)
+        self.pad_token_id = pad_token_id(self.tokenizer)
+        self.model = self._load(settings.model_path, trainable=True)
+        self.reference = self._load(settings.reference_path or settings.model_path, trainable=False) if settings.reference else None
+        self.optimizer, self.scheduler = build_optimizer(self.model, settings.optimizer, settings.total_updates)
+        self.updates = 0  # optimizer updates done
+        self.closed = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.world.distributed and self.settings.strategy in ("auto", "fsdp")
+
+    def _load(self, path: str, trainable: bool) -> torch.nn.Module:
+        model = load_model(path, self.device, trainable=trainable,
+                           gradient_checkpointing=trainable and self.settings.gradient_checkpointing)
+        disable_dropout(model)
+        if self.world.distributed:
+            if not self.sharded:
+                raise ValueError("several processes need strategy 'fsdp' (or 'auto')")
+            shard_model(model)
+        return model
+
+    # --- lockstep with follower ranks -------------------------------------------------------
+
+    def follow(self) -> None:
+        """Replay rank 0's calls until it closes this learner (follower ranks only)."""
+        while True:
+            message = self.world.broadcast(None)
+            if message[0] == "close":
+                self._release()
+                return
+            _, name, args, kwargs = message
+            getattr(type(self), name).__wrapped__(self, *args, **kwargs)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self.world.distributed and self.world.is_driver:
+            self.world.broadcast(("close",))
+        self._release()
+
+    def _release(self) -> None:
+        self.closed = True
+        self.model = self.reference = None  # type: ignore[assignment]
+        self.optimizer = self.scheduler = None  # type: ignore[assignment]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Learner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the work ---------------------------------------------------------------------------
+
+    def _plan(self, sequences: SequenceOf[Sequence]) -> list[list[int]]:
+        """This rank's micro-batches (indices into `sequences`), as many on every rank."""
+        if not sequences:
+            raise ValueError("at least one sequence is needed")
+        mine = shard([len(s) for s in sequences], self.world.size)[self.world.rank]
+        groups = micro_batches([len(sequences[i]) for i in mine], self.settings.optimizer.micro_batch_tokens)
+        groups = [[mine[i] for i in group] for group in groups]
+        count = self.world.max(len(groups))
+        return groups + [[]] * (count - len(groups))  # [] is a placeholder that only keeps ranks in step
+
+    def _batch(self, sequences: SequenceOf[Sequence], group: list[int]) -> tuple[Batch, bool]:
+        if group:
+            return collate([sequences[i] for i in group], self.pad_token_id).to(self.device), False
+        template = sequences[0]
+        values = {k: ([0.0, 0.0] if isinstance(v, (list, tuple)) else 0.0) for k, v in template.values.items()}
+        filler = Sequence([self.pad_token_id] * 2, [0, 0], values)
+        return collate([filler], self.pad_token_id).to(self.device), True
+
+    @collective
+    def logprobs(self, sequences: SequenceOf[Sequence], *, reference: bool = False) -> list[list[float]] | None:
+        """Per-token logprobs of every sequence (no gradient) under the current weights, or the
+        frozen reference's. Complete on rank 0; None on the other ranks."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise ValueError("this learner keeps no reference model (settings.reference is off)")
+        results: dict[int, list[float]] = {}
+        with torch.no_grad():
+            for group in self._plan(sequences):
+                batch, filler = self._batch(sequences, group)
+                with autocast(self.device):
+                    logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, self.settings.temperature)
+                if filler:
+                    continue
+                rows = logprobs.float().cpu()
+                for row, index in enumerate(group):
+                    results[index] = rows[row, : len(sequences[index])].tolist()
+        gathered = self.world.gather(results)
+        if gathered is None:
+            return None
+        merged: dict[int, list[float]] = {}
+        for part in gathered:
+            merged.update(part)
+        return [merged[i] for i in range(len(sequences))]
+
+    @collective
+    def train_step(self, sequences: SequenceOf[Sequence], loss_fn: LossFn, *, epochs: int | None = None) -> dict[str, float] | None:
+        """`epochs` optimizer updates (default: settings.optimizer.epochs_per_batch) over the
+        whole batch, each accumulating gradients over micro-batches. Returns the combined
+        statistics on rank 0 (None elsewhere): the loss's own, plus grad_norm, lr, updates,
+        micro_batches and seconds."""
+        started = time.perf_counter()
+        epochs = epochs or self.settings.optimizer.epochs_per_batch
+        normalizer = Normalizer(
+            tokens=float(sum(s.loss_tokens for s in sequences)),
+            sequences=float(sum(1 for s in sequences if s.loss_tokens > 0)),
+        )
+        plan = self._plan(sequences)
+        passes: list[dict[str, float]] = []
+        norms: list[float] = []
+        for _ in range(epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            parts: list[Mapping[str, Any]] = []
+            for position, group in enumerate(plan):
+                batch, filler = self._batch(sequences, group)
+                if self.sharded:  # reduce gradients once, after the last micro-batch
+                    self.model.set_requires_gradient_sync(position == len(plan) - 1)
+                with autocast(self.device):
+                    logprobs, entropy = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                                       self.settings.temperature, with_entropy=self.settings.track_entropy)
+                loss, stats = loss_fn(logprobs, batch, normalizer, entropy)
+                # FSDP averages gradients over ranks; each rank's loss is its share of the
+                # batch sum, so scale back up to get the gradient of the whole batch's loss.
+                scale = 0.0 if filler else float(self.world.size)
+                (loss * scale).backward()
+                if not filler:
+                    parts.append({k: float(v) for k, v in stats.items()})
+            norms.append(self._clip_and_step())
+            gathered = self.world.gather(parts)
+            if gathered is not None:
+                passes.append(combine_stats([p for rank_parts in gathered for p in rank_parts]))
+        if not self.world.is_driver:
+            return None
+        result = mean_of_passes(passes)
+        result.update(grad_norm=float(np.mean(norms)), grad_norm_max=float(np.max(norms)), lr=self.current_lr(),
+                      updates=float(self.updates), micro_batches=float(len(plan)), epochs=float(epochs),
+                      seconds=time.perf_counter() - started)
+        return result
+
+    def _clip_and_step(self) -> float:
+        limit = self.settings.optimizer.max_grad_norm
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, limit if limit > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.updates += 1
+        return float(norm)
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # --- weights ----------------------------------------------------------------------------
+
+    @collective
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter and buffer, unsharded, on CPU, named as in the Hugging Face model
+        (what a policy service's UpdateWeights takes). On rank 0; None elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not self.world.distributed:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.world.is_driver else None
+
+    @collective
+    def rank_fingerprints(self) -> list[str] | None:
+        """A SHA-256 of the full weights as each rank sees them (gathered on every rank), on
+        rank 0: all equal when the ranks are in step. For checks and debugging."""
+        import hashlib
+
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.world.distributed:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        else:
+            state = self.model.state_dict()
+        digest = hashlib.sha256()
+        for name in sorted(state):
+            digest.update(name.encode())
+            digest.update(state[name].detach().float().cpu().numpy().tobytes())
+        return self.world.gather(digest.hexdigest())
+
+    @collective
+    def save_model(self, directory: str) -> None:
+        """Write the current weights and the tokenizer as a Hugging Face model directory."""
+        self._save_model(Path(directory))
+
+    def _save_model(self, directory: Path) -> None:
+        state = type(self).full_state_dict.__wrapped__(self)
+        if self.world.is_driver:
+            directory.mkdir(parents=True, exist_ok=True)
+            unwrapped = self.model
+            unwrapped.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(str(directory))
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def save_checkpoint(self, root: str | Path, step: int, cursor: Mapping[str, Any] | None = None,
+                        extra: Mapping[str, Any] | None = None, keep_last: int = 0) -> ckpt.CheckpointInfo | None:
+        """Write a checkpoint of everything needed to continue exactly (see
+        `leap.learning.checkpoint`); `cursor` is the caller's data position, `extra` any
+        JSON-able state. Returns its info on rank 0."""
+        root = Path(root)
+        temp = ckpt.new_temp_dir(root, step) if self.world.is_driver else None
+        self._write_checkpoint(str(temp), step, dict(cursor or {}), dict(extra or {}))
+        if not self.world.is_driver:
+            return None
+        info = ckpt.finalize(temp, step)  # type: ignore[arg-type]
+        ckpt.clean_leftovers(root)
+        ckpt.prune(root, keep_last, keep_steps=(step,))
+        return info
+
+    @collective
+    def _write_checkpoint(self, temp: str, step: int, cursor: dict[str, Any], extra: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        path = Path(temp)
+        self._save_model(path / "model")
+        if self.world.distributed:
+            optimizer_state = get_optimizer_state_dict(
+                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            optimizer_state = named_optimizer_state(self.model, self.optimizer)
+        (path / "rng").mkdir(parents=True, exist_ok=True)
+        self.world.barrier()  # the directory exists for every rank
+        torch.save(rng_state(), path / "rng" / f"rank-{self.world.rank:05d}.pt")
+        if self.world.is_driver:
+            torch.save(optimizer_state, path / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+            state = {"format": ckpt.FORMAT_VERSION, "step": step, "updates": self.updates, "cursor": cursor,
+                     "extra": extra, "world_size": self.world.size, "model_path": self.settings.model_path}
+            (path / ckpt.STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
+        self.world.barrier()  # every rank's files are written before rank 0 seals the directory
+
+    @collective
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer, scheduler, RNG states and the update counter from a
+        checkpoint directory; returns its state.json (step, cursor, extra) on every rank."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+        path = Path(path)
+        if ckpt.describe(path) is None:
+            raise ValueError(f"{path} is not a complete checkpoint")
+        state = ckpt.read_state(path)
+        driver = self.world.is_driver
+        model_state = load_model(path / "model", "cpu", trainable=False).state_dict() if driver else {}
+        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False) if driver else {}
+        if self.world.distributed:
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.model, model_state, options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+        else:
+            self.model.load_state_dict(model_state)
+            load_named_optimizer_state(self.model, self.optimizer, optimizer_state)
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
+        rng_file = path / "rng" / f"rank-{self.world.rank:05d}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+        else:  # the world grew since the checkpoint: a fresh, still deterministic stream
+            seed_everything(self.settings.seed + 7919 * int(state["step"]) + self.world.rank)
+        self.updates = int(state["updates"])
+        return state
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def pad_token_id(tokenizer) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off: the first pass over a batch must reproduce the old logprobs exactly
+    (ratio 1), and RL on sampled tokens gains nothing from it."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    if hasattr(model, "config") and hasattr(model.config, "attention_dropout"):
+        model.config.attention_dropout = 0.0
+
+
+def named_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name (robust to parameter order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = optimizer.state_dict()
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {names[id(ordered[i])]: value for i, value in state["state"].items()},
+        "param_groups": [{**g, "params": [names[id(ordered[i])] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def load_named_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, named: dict[str, Any]) -> None:
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    index_of = {names[id(p)]: i for i, p in enumerate(ordered)}
+    state = {
+        "state": {index_of[name]: value for name, value in named["state"].items()},
+        "param_groups": [{**g, "params": [index_of[n] for n in g["params"]]} for g in named["param_groups"]],
+    }
+    optimizer.load_state_dict(state)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,167 @@
+"""The run RPCs of a learner service (StartRun, GetRun, ListRuns, StopRun, ResumeRun,
+StreamMetrics, ListCheckpoints) over a `RunRegistry`, for any contract that follows the run
+conventions of docs/ARCHITECTURE.md (the trainer's and the distiller's do).
+
+A servicer mixes it in before its generated base class and says what is its own:
+
+    class DistillServicer(RunApi, distill_pb2_grpc.DistillServiceServicer):
+        messages = distill_pb2                      # the contract's module
+
+        def __init__(self, registry):
+            self.registry = registry
+
+        async def prepare_config(self, config):     # validate (raise ServiceError) and fill defaults
+            return config_with_defaults, total_steps
+
+The registry's job factory receives the stored record; `self.config_of(record)` (or
+`config_from_record`) turns its config back into the contract's message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import ModuleType
+from typing import Any
+
+from google.protobuf import json_format, timestamp_pb2
+from google.protobuf.message import Message
+
+from leap.common.v1 import common_pb2
+from leap.learning.registry import RequestConflict, RunNotFound, RunRecord, RunRegistry, RunStateError
+from leap.runtime import Violations, failed_precondition, invalid_argument, not_found
+
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 50
+
+
+def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def config_fingerprint(config: Message) -> str:
+    return hashlib.sha256(config.SerializeToString(deterministic=True)).hexdigest()
+
+
+def config_to_json(config: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(config, preserving_proto_field_name=True)
+
+
+def config_from_record(record: RunRecord, config_class: type[Message]) -> Message:
+    return json_format.ParseDict(record.config, config_class(), ignore_unknown_fields=True)
+
+
+def metric_event(event: dict[str, Any]) -> common_pb2.MetricEvent:
+    return common_pb2.MetricEvent(
+        run_id=event["run_id"], step=int(event["step"]), time=timestamp(event["time"]), kind=event["kind"],
+        values={k: float(v) for k, v in event.get("values", {}).items()}, message=event.get("message", ""),
+        state=int(event.get("state", 0)),
+    )
+
+
+class RunApi:
+    """Mixin implementing the run RPCs; see the module docstring."""
+
+    messages: ModuleType
+    registry: RunRegistry
+
+    async def prepare_config(self, config: Message) -> tuple[Message, int]:
+        """Validate a requested config (raise `ServiceError`, naming fields as `config.<path>`)
+        and return it with the defaults filled in, and the run's total steps."""
+        raise NotImplementedError
+
+    @property
+    def config_class(self) -> type[Message]:
+        return type(self.messages.StartRunRequest().config)
+
+    def config_of(self, record: RunRecord) -> Message:
+        return config_from_record(record, self.config_class)
+
+    def run_message(self, record: RunRecord) -> Message:
+        run = self.messages.Run(
+            run_id=record.run_id, request_id=record.request_id, state=record.state, step=record.step,
+            total_steps=record.total_steps, error=record.error, output_dir=record.output_dir,
+            create_time=timestamp(record.create_time), update_time=timestamp(record.update_time),
+        )
+        run.latest_metrics.update(record.latest_metrics)
+        run.config.CopyFrom(self.config_of(record))
+        if "round" in run.DESCRIPTOR.fields_by_name:
+            run.round = record.round
+        return run
+
+    def _get(self, run_id: str) -> RunRecord:
+        if not run_id:
+            raise invalid_argument("run_id", "is required")
+        try:
+            return self.registry.get(run_id)
+        except RunNotFound:
+            raise not_found("run", run_id) from None
+
+    async def StartRun(self, request, context):
+        violations = Violations()
+        violations.check(bool(request.request_id), "request_id", "is required (a client-chosen idempotency key)")
+        violations.check(request.HasField("config"), "config", "is required")
+        violations.raise_if_any()
+        fingerprint = config_fingerprint(request.config)
+        existing = self.registry.find_request(request.request_id)
+        if existing is not None:
+            if existing.fingerprint != fingerprint:
+                raise failed_precondition(f"request_id {request.request_id!r} was already used for run "
+                                          f"{existing.run_id} with a different config", "REQUEST_ID_REUSED")
+            return self.messages.StartRunResponse(run=self.run_message(existing))
+        config, total_steps = await self.prepare_config(request.config)
+        try:
+            record, _ = self.registry.start(
+                request.request_id, config_to_json(config), fingerprint, total_steps,
+                output_dir=getattr(config, "output_dir", ""), display_name=getattr(config, "display_name", ""))
+        except RequestConflict as err:
+            raise failed_precondition(str(err), "REQUEST_ID_REUSED") from None
+        return self.messages.StartRunResponse(run=self.run_message(record))
+
+    async def GetRun(self, request, context):
+        return self.messages.GetRunResponse(run=self.run_message(self._get(request.run_id)))
+
+    async def ListRuns(self, request, context):
+        violations = Violations()
+        violations.check(0 <= request.page_size, "page_size", "must not be negative")
+        violations.raise_if_any()
+        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        try:
+            records, token = self.registry.list(size, request.page_token, request.state)
+        except ValueError:
+            raise invalid_argument("page_token", "is not a token this service issued") from None
+        return self.messages.ListRunsResponse(runs=[self.run_message(r) for r in records], next_page_token=token)
+
+    async def StopRun(self, request, context):
+        self._get(request.run_id)
+        try:
+            record = self.registry.stop(request.run_id)
+        except RunStateError as err:
+            raise failed_precondition(str(err), err.reason) from None
+        return self.messages.StopRunResponse(run=self.run_message(record))
+
+    async def ResumeRun(self, request, context):
+        self._get(request.run_id)
+        try:
+            record = self.registry.resume(request.run_id)
+        except RunStateError as err:
+            raise failed_precondition(str(err), err.reason) from None
+        return self.messages.ResumeRunResponse(run=self.run_message(record))
+
+    async def StreamMetrics(self, request, context):
+        violations = Violations()
+        violations.check(request.from_step >= 0, "from_step", "must not be negative")
+        violations.raise_if_any()
+        self._get(request.run_id)
+        async for event in self.registry.events(request.run_id, request.from_step, follow=not request.no_follow):
+            yield self.messages.StreamMetricsResponse(event=metric_event(event))
+
+    async def ListCheckpoints(self, request, context):
+        self._get(request.run_id)
+        checkpoints = [
+            common_pb2.Checkpoint(step=c.step, path=str(c.path), create_time=timestamp(c.create_time),
+                                  size_bytes=c.size_bytes)
+            for c in self.registry.checkpoints(request.run_id)
+        ]
+        return self.messages.ListCheckpointsResponse(checkpoints=checkpoints)

@@ -1,0 +1,139 @@
+"""A run's configuration: its documented defaults, and the checks that refuse a bad one
+before the run starts. Pure functions over `leap.trainer.v1.RunConfig` (no I/O); the checks
+that need the other services are in `preflight.py`.
+
+Zero values mean the documented default (docs/ARCHITECTURE.md); `with_defaults` makes every
+default explicit, so the stored config of a run says exactly what it ran with.
+"""
+
+from __future__ import annotations
+
+from leap.common.v1 import common_pb2
+from leap.learning import OptimizerSettings, check_model_dir
+from leap.learning.optim import SCHEDULES
+from leap.reward.v1 import reward_pb2
+from leap.runtime import Violations
+from leap.trainer.v1 import trainer_pb2
+
+TrainMode = trainer_pb2.TrainMode
+GateMode = reward_pb2.GateMode
+LossAggregation = trainer_pb2.LossAggregation
+
+DEFAULT_POLICY_MODEL = "policy"
+DEFAULT_TASKS_PER_STEP = 8  # B
+DEFAULT_GROUP_SIZE = 8  # G
+DEFAULT_MAX_TURNS = 3  # K
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_MAX_NEW_TOKENS = 384
+DEFAULT_CLIP_LOW = 0.2
+DEFAULT_CLIP_HIGH = 0.28
+DEFAULT_CHECKPOINT_EVERY = 10
+DEFAULT_EVAL_SAMPLES = 4
+TRAIN_SPLIT = "train"
+HELDOUT_SPLIT = "heldout"
+
+
+def mode_of(config: trainer_pb2.RunConfig) -> int:
+    return config.mode or TrainMode.TRAIN_MODE_LEAP
+
+
+def turns_of(config: trainer_pb2.RunConfig) -> int:
+    """Turns in all for an expanded group: K, or 1 in single-turn mode."""
+    if mode_of(config) == TrainMode.TRAIN_MODE_SINGLE:
+        return 1
+    return config.max_turns or DEFAULT_MAX_TURNS
+
+
+def with_defaults(config: trainer_pb2.RunConfig, services: trainer_pb2.ServiceAddresses) -> trainer_pb2.RunConfig:
+    """A copy with every zero or unset field replaced by its default; `services` are the
+    trainer's own defaults for addresses left empty. Toolchain and task lists, which depend
+    on the sandbox, are left to preflight."""
+    out = trainer_pb2.RunConfig()
+    out.CopyFrom(config)
+    out.policy_model = out.policy_model or DEFAULT_POLICY_MODEL
+    for name in ("policy", "sandbox", "reward"):
+        if not getattr(out.services, name):
+            setattr(out.services, name, getattr(services, name))
+    out.mode = mode_of(out)
+    out.tasks_per_step = out.tasks_per_step or DEFAULT_TASKS_PER_STEP
+    out.group_size = out.group_size or DEFAULT_GROUP_SIZE
+    out.max_turns = turns_of(out)
+    if not out.sampling.HasField("temperature"):
+        out.sampling.temperature = DEFAULT_TEMPERATURE
+    if not out.sampling.HasField("top_p"):
+        out.sampling.top_p = DEFAULT_TOP_P
+    out.sampling.max_new_tokens = out.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if out.optimizer.schedule in ("", *SCHEDULES):  # an unknown one is a violation, reported as sent
+        OptimizerSettings.from_proto(out.optimizer).to_proto(out.optimizer)
+    if not out.loss.HasField("clip_low"):
+        out.loss.clip_low = DEFAULT_CLIP_LOW
+    if not out.loss.HasField("clip_high"):
+        out.loss.clip_high = DEFAULT_CLIP_HIGH
+    out.loss.aggregation = out.loss.aggregation or LossAggregation.LOSS_AGGREGATION_TOKEN_MEAN
+    if not out.gate.mode:
+        out.gate.mode = GateMode.GATE_MODE_EXPAND_ALL if out.mode == TrainMode.TRAIN_MODE_MULTITURN else GateMode.GATE_MODE_STATIC
+    out.gate.max_turns = out.max_turns
+    out.rank.method = out.rank.method or reward_pb2.RewardMethod.REWARD_METHOD_TOURNAMENT
+    out.checkpoint_every = out.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
+    out.eval_samples = out.eval_samples or DEFAULT_EVAL_SAMPLES
+    return out
+
+
+def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violations:
+    """Every problem of a requested config that needs no other service, with field paths
+    like `config.group_size`."""
+    v = Violations()
+
+    def check(ok: bool, field: str, description: str) -> None:
+        v.check(ok, prefix + field, description)
+
+    problem = check_model_dir(config.model_path)
+    check(problem is None, "model_path", problem or "")
+    check(config.steps >= 1, "steps", "is required and must be at least 1")
+    check(config.mode in TrainMode.values(), "mode", f"unknown mode {config.mode}")
+    check(config.tasks_per_step >= 0, "tasks_per_step", "must be at least 1 (0 means the default, 8)")
+    check(config.group_size == 0 or config.group_size >= 2, "group_size",
+          "must be at least 2: rank rewards compare rollouts within a group (0 means the default, 8)")
+    check(config.max_turns >= 0, "max_turns", "K must be at least 1 (0 means the default, 3)")
+    if config.mode == TrainMode.TRAIN_MODE_SINGLE:
+        check(config.max_turns <= 1, "max_turns", "single-turn mode has one turn; leave max_turns unset or 1")
+    sampling = config.sampling
+    if sampling.HasField("temperature"):
+        check(sampling.temperature > 0, "sampling.temperature",
+              "must be above 0: on-policy RL needs sampled rollouts with logprobs (0 is greedy)")
+    if sampling.HasField("top_p"):
+        check(0 < sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
+    check(sampling.max_new_tokens >= 0, "sampling.max_new_tokens", "must be at least 1 (0 means the default, 384)")
+    optimizer = config.optimizer
+    if optimizer.HasField("learning_rate"):
+        check(optimizer.learning_rate > 0, "optimizer.learning_rate", "must be above 0")
+    check(optimizer.warmup_steps >= 0, "optimizer.warmup_steps", "must not be negative")
+    check(optimizer.schedule in ("", *SCHEDULES), "optimizer.schedule", f"must be one of {', '.join(SCHEDULES)}")
+    check(optimizer.weight_decay >= 0, "optimizer.weight_decay", "must not be negative")
+    if optimizer.HasField("max_grad_norm"):
+        check(optimizer.max_grad_norm >= 0, "optimizer.max_grad_norm", "must not be negative (0 turns clipping off)")
+    check(optimizer.epochs_per_batch >= 0, "optimizer.epochs_per_batch", "must be at least 1 (0 means the default, 1)")
+    check(optimizer.micro_batch_tokens >= 0, "optimizer.micro_batch_tokens",
+          "must be at least 1 (0 means the default, 4096)")
+    loss = config.loss
+    if loss.HasField("clip_low"):
+        check(0 <= loss.clip_low < 1, "loss.clip_low", "must be in [0, 1)")
+    if loss.HasField("clip_high"):
+        check(loss.clip_high >= 0, "loss.clip_high", "must not be negative")
+    check(loss.kl_beta >= 0, "loss.kl_beta", "must not be negative")
+    check(loss.aggregation in LossAggregation.values(), "loss.aggregation", f"unknown aggregation {loss.aggregation}")
+    if config.mode == TrainMode.TRAIN_MODE_MULTITURN:
+        check(config.gate.mode in (0, GateMode.GATE_MODE_EXPAND_ALL), "gate.mode",
+              "multiturn mode expands every group (GATE_MODE_EXPAND_ALL); use mode LEAP for other gates")
+    check(config.gate.max_turns in (0, config.max_turns or DEFAULT_MAX_TURNS) or config.mode == TrainMode.TRAIN_MODE_SINGLE,
+          "gate.max_turns", "is taken from max_turns; leave it unset")
+    check(config.checkpoint_every >= 0, "checkpoint_every", "must not be negative (0 means the default, 10)")
+    check(config.eval_every >= 0, "eval_every", "must not be negative (0 evaluates only before and after)")
+    check(config.eval_samples >= 0, "eval_samples", "must be at least 1 (0 means the default, 4)")
+    check(len(set(config.train_tasks)) == len(config.train_tasks), "train_tasks", "lists a task twice")
+    check(not set(config.train_tasks) & set(config.eval_tasks), "eval_tasks",
+          "shares tasks with train_tasks: held-out tasks must not be trained on")
+    check(config.toolchain in common_pb2.Toolchain.values(), "toolchain", f"unknown toolchain {config.toolchain}")
+    check(config.rgrpo.rounds >= 0, "rgrpo.rounds", "must not be negative")
+    return v
