@@ -36,7 +36,7 @@ from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
 from svc_sandbox import checking, static_check, toolchains
 from svc_sandbox.compile_cache import CompileCache, cache_key
-from svc_sandbox.isolation import ExitInfo, Limits, RunHandle, Zygote, classify
+from svc_sandbox.isolation import ExitInfo, Limits, RunHandle, SandboxUnavailable, Zygote, classify
 from svc_sandbox.references import ReferenceStore, TrialData
 from svc_sandbox.telemetry import Telemetry
 from svc_sandbox.wire import WireError, WireTimeout, recv_frame, send_frame
@@ -268,6 +268,18 @@ class Evaluator:
     # the pipeline
 
     def evaluate(self, request: Request, zygote: Zygote) -> sandbox_pb2.Verdict:
+        """The verdict of one candidate. When the worker process itself fails (killed from
+        outside, say), it is restarted and the candidate evaluated once more: a verdict is
+        never made up from a sandbox failure."""
+        try:
+            return self._evaluate(request, zygote)
+        except SandboxUnavailable as err:
+            self.log.warning("sandbox worker failed; restarting it and evaluating again", slot=zygote.slot,
+                             error=str(err), task=request.task.id)
+            zygote.close()
+            return self._evaluate(request, zygote)
+
+    def _evaluate(self, request: Request, zygote: Zygote) -> sandbox_pb2.Verdict:
         candidate, task = request.candidate, request.task
         verdict = sandbox_pb2.Verdict(candidate_id=candidate.candidate_id, task_id=task.id, toolchain=candidate.toolchain,
                                       size=request.size)

@@ -15,8 +15,8 @@ import time
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.sandbox_helpers import (AS_ROOT, Check, RELU_LOOP, Stage, describe, flags, processes_in, processes_of_uids,
-                                   relu, running_sandbox)
+from tests.sandbox_helpers import (AS_ROOT, Check, RELU_LOOP, Stage, candidate, describe, flags, processes_in,
+                                   processes_of_uids, relu, running_sandbox)
 
 UID_BASE = 61000
 WORKERS = 2
@@ -57,6 +57,16 @@ def test_fork_bomb_hits_the_process_limit_and_leaves_nothing(sandbox):
     verdict = sandbox.evaluate("relu", relu("    for (;;) { fork(); }", prelude="#include <unistd.h>\n"),
                                stage_timeout_seconds=2, **NO_STATIC)
     assert verdict.stage == Stage.STAGE_RUN and {"TIMEOUT", "PROCESS_LIMIT"} <= flags(verdict), describe(verdict)
+    assert_healthy_and_clean(sandbox)
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="RLIMIT_NPROC needs candidates on a uid of their own (run as root)")
+def test_a_fork_bomb_does_not_reach_the_candidates_beside_it(sandbox):
+    bomb = candidate("relu", relu("    for (;;) { fork(); }", prelude="#include <unistd.h>\n"), label="bomb")
+    others = [candidate("relu", relu(RELU_LOOP + f"\n// beside {i}"), label=str(i)) for i in range(3)]
+    verdicts = sandbox.batch([bomb, *others], stage_timeout_seconds=4, **NO_STATIC)
+    assert verdicts[0].stage == Stage.STAGE_RUN and "TIMEOUT" in flags(verdicts[0]), describe(verdicts[0])
+    assert all(v.stage == Stage.STAGE_PASSED for v in verdicts[1:]), [describe(v) for v in verdicts[1:]]
     assert_healthy_and_clean(sandbox)
 
 
@@ -123,35 +133,68 @@ def test_candidates_run_as_an_unprivileged_uid_and_cannot_read_private_files(san
     assert verdict.stage == Stage.STAGE_PASSED, describe(verdict)
 
 
-def test_candidates_have_no_network(sandbox):
-    zygote = sandbox.servicer.pool.zygotes[0]
-    if not zygote.netns:
-        pytest.skip(f"no network namespace on this machine: {zygote.netns_reason}")
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    listener.settimeout(0.5)
-    port = listener.getsockname()[1]
-    connected = threading.Event()
-
-    def accept() -> None:
-        try:
-            listener.accept()
-            connected.set()
-        except OSError:
-            pass
-
-    watcher = threading.Thread(target=accept)
-    watcher.start()
+def connect_candidate(port: int) -> str:
+    """A relu that is right only when it could not connect to 127.0.0.1:port."""
     prelude = "#include <sys/socket.h>\n#include <netinet/in.h>\n#include <arpa/inet.h>\n#include <unistd.h>\n"
     body = ("    int s = socket(AF_INET, SOCK_STREAM, 0);\n    struct sockaddr_in a = {};\n    a.sin_family = AF_INET;\n"
             f"    a.sin_port = htons({port});\n    a.sin_addr.s_addr = htonl(0x7f000001);\n"
             "    bool reached = s >= 0 && connect(s, (struct sockaddr*)&a, sizeof a) == 0;\n"
             "    for (int64_t i = 0; i < n; i++) {\n        y[i] = reached ? -1.0f : (x[i] > 0.0f ? x[i] : 0.0f);\n    }")
-    try:
-        verdict = sandbox.evaluate("relu", relu(body, prelude=prelude), **NO_STATIC)
-    finally:
-        watcher.join()
-        listener.close()
+    return relu(body, prelude=prelude)
+
+
+class Listener:
+    """A loopback TCP server that records whether anything connected."""
+
+    def __init__(self):
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(4)
+        self.socket.settimeout(0.5)
+        self.port = self.socket.getsockname()[1]
+        self.connected = threading.Event()
+        self.thread = threading.Thread(target=self._accept)
+
+    def _accept(self) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not self.stopped:
+            try:
+                self.socket.accept()
+                self.connected.set()
+                return
+            except OSError:
+                continue
+
+    def __enter__(self) -> "Listener":
+        self.stopped = False
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped = True
+        self.thread.join()
+        self.socket.close()
+
+
+def test_candidates_have_no_network(sandbox):
+    zygote = sandbox.servicer.pool.zygotes[0]
+    if not zygote.netns:
+        pytest.skip(f"no network namespace on this machine: {zygote.netns_reason}")
+    with Listener() as listener:
+        verdict = sandbox.evaluate("relu", connect_candidate(listener.port), **NO_STATIC)
     assert verdict.stage == Stage.STAGE_PASSED, describe(verdict)  # the connect failed inside the candidate
-    assert not connected.is_set()
+    assert not listener.connected.is_set()
+
+
+def test_without_the_namespace_only_the_static_check_stops_sockets(tmp_path):
+    # What the fallback means: where no namespace can be made, a candidate the static check
+    # let through would reach the network. With the check on, it never runs.
+    with running_sandbox(tmp_path, workers=1, network_isolation=False) as open_sandbox:
+        assert not open_sandbox.servicer.pool.zygotes[0].netns
+        assert "off in the config" in open_sandbox.servicer.pool.zygotes[0].netns_reason
+        with Listener() as listener:
+            rejected = open_sandbox.evaluate("relu", connect_candidate(listener.port), timing=False)
+            assert rejected.stage == Stage.STAGE_FORMAT and "FORBIDDEN_CALL" in flags(rejected)
+            reached = open_sandbox.evaluate("relu", connect_candidate(listener.port), **NO_STATIC)
+            assert listener.connected.wait(10)
+        assert reached.stage == Stage.STAGE_CORRECT, describe(reached)

@@ -5,6 +5,8 @@ filters, and `leap serve sandbox` runs as a real process configured by flags."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -141,6 +143,17 @@ def test_a_cancelled_batch_frees_its_queue_and_the_service_carries_on(sandbox):
         time.sleep(0.05)
     assert sandbox.servicer.pool.pending == 0
     assert sandbox.evaluate("relu", relu(RELU_LOOP), timing=False).stage == Stage.STAGE_PASSED
+
+
+def test_a_worker_killed_from_outside_is_restarted_and_nothing_is_lost(sandbox):
+    zygote = sandbox.servicer.pool.zygotes[0]
+    zygote.ensure()
+    os.kill(zygote.process.pid, signal.SIGKILL)
+    zygote.process.wait(10)
+    batch = [candidate("relu", relu(RELU_LOOP + f"\n// restart {i}"), CPU, str(i)) for i in range(4)]
+    verdicts = sandbox.batch(batch, timing=False)
+    assert all(v.stage == Stage.STAGE_PASSED for v in verdicts), [describe(v) for v in verdicts]
+    assert zygote.alive
 
 
 def test_list_tasks_filters_pages_and_views(sandbox):
