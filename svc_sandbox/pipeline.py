@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,6 @@ class Settings:
 
     work_dir: Path
     cpu_compiler: str = "g++"
-    cpu_compilers: tuple[str, ...] = ("g++", "clang++")
     cpu_flags: list[str] = dataclasses.field(default_factory=lambda: ["-O3", "-march=native", "-fopenmp"])
     nvcc: str = "nvcc"
     cuda_flags: list[str] = dataclasses.field(default_factory=lambda: ["-O3"])
@@ -339,7 +337,10 @@ class Evaluator:
         verdict.compile.compiler = request.compiler
         verdict.compile.compiler_version = compiler.version
         verdict.compile.flags.extend(command[1:-3])  # everything but the path, "-o kernel.so" and the source
-        key = cache_key(TOOLCHAIN_WORDS[request.candidate.toolchain], compiler.identity, "\0".join(command[1:]), arch, code)
+        # The key names the prelude by its content, not its path (the work directory is new at
+        # every start), so the cache survives restarts.
+        stable = [("PRELUDE:" + toolchains.PRELUDE) if part == self.prelude else part for part in command[1:]]
+        key = cache_key(TOOLCHAIN_WORDS[request.candidate.toolchain], compiler.identity, "\0".join(stable), arch, code)
         target = cwd / output
         with self.cache.hold(key):
             entry = self.cache.lookup(key)
@@ -890,5 +891,3 @@ def _torch_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
-
-Factory = Callable[[], Evaluator]

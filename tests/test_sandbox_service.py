@@ -191,3 +191,11 @@ def test_leap_serve_sandbox_runs_configured_by_flags(tmp_path):
                 timeout=60)
             assert reply.verdict.stage == Stage.STAGE_PASSED, describe(reply.verdict)
             assert "-O2" in reply.verdict.compile.flags and "-O3" not in reply.verdict.compile.flags
+
+
+def test_the_compile_cache_survives_a_restart(tmp_path):
+    code = relu(RELU_LOOP + "\n// survives a restart")
+    for run, hit in enumerate((False, True)):
+        with running_sandbox(tmp_path / f"run{run}", workers=1, cache_dir=str(tmp_path / "shared-cache")) as sandbox:
+            verdict = sandbox.evaluate("relu", code, timing=False)
+            assert verdict.stage == Stage.STAGE_PASSED and verdict.compile.cache_hit == hit, describe(verdict)
