@@ -18,7 +18,8 @@ from tests.sandbox_helpers import (CPU, CUDA, HEADER, RELU_LOOP, Check, Stage, c
 
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
-    with running_sandbox(tmp_path_factory.mktemp("checks"), workers=2) as running:
+    # A low speedup bound, so the do-nothing kernel below is over it however noisy the machine.
+    with running_sandbox(tmp_path_factory.mktemp("checks"), workers=2, suspicious_speedup=3.0) as running:
         yield running
 
 
@@ -44,7 +45,7 @@ def test_fresh_inputs_catch_a_kernel_that_replays_its_first_result(sandbox):
 def test_with_both_off_the_replay_passes_and_its_speedup_is_flagged(sandbox):
     off = [Check.CHECK_NAN_SENTINEL, Check.CHECK_FRESH_INPUTS]
     verdict = sandbox.evaluate("relu", ONCE, disabled_checks=off, timing_trials=20)
-    assert verdict.stage == Stage.STAGE_PASSED and verdict.speedup > 10, describe(verdict)
+    assert verdict.stage == Stage.STAGE_PASSED and verdict.speedup > 3, describe(verdict)
     assert "SUSPICIOUS_SPEEDUP" in flags(verdict)
     unbounded = sandbox.evaluate("relu", ONCE, disabled_checks=[*off, Check.CHECK_SPEEDUP_BOUND], timing_trials=20)
     assert unbounded.stage == Stage.STAGE_PASSED and "SUSPICIOUS_SPEEDUP" not in flags(unbounded)

@@ -20,7 +20,8 @@ from leap.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 from tests.conftest import leap_serve
 from tests.sandbox_helpers import CPU, KERNELBENCH, RELU_LOOP, Stage, candidate, describe, relu, running_sandbox
 
-SPIN = relu("    volatile int64_t k = 0;\n    for (int64_t s = 0; s < 300000000; s++) { k += s; }\n" + RELU_LOOP)
+# Takes 1.5 s whatever the load on the machine (and burns no CPU meanwhile).
+SLOW = relu("    usleep(1500000);\n" + RELU_LOOP, prelude="#include <unistd.h>\n")
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +106,7 @@ def test_batch_validation_names_the_candidate(sandbox):
 
 
 def test_batch_streams_verdicts_as_they_finish(sandbox):
-    batch = [candidate("relu", SPIN, CPU, "slow")] + [candidate("relu", relu(RELU_LOOP + f"\n// {i}"), CPU, str(i))
-                                                     for i in range(3)]
+    batch = [candidate("relu", SLOW, CPU, "slow")] + [candidate("relu", relu(RELU_LOOP), CPU, str(i)) for i in range(3)]
     request = sandbox_pb2.EvaluateBatchRequest(candidates=batch, options=sandbox_pb2.EvaluateOptions(timing=False))
     order = [reply.index for reply in sandbox.stub.EvaluateBatch(request, timeout=120)]
     assert sorted(order) == [0, 1, 2, 3] and order[-1] == 0  # the slow one is not waited for
@@ -114,7 +114,7 @@ def test_batch_streams_verdicts_as_they_finish(sandbox):
 
 def test_full_queue_is_resource_exhausted_with_a_retry_hint(sandbox):
     # 2 workers + 2 queued: a batch of 4 slow candidates fills it; one more does not fit.
-    slow = [candidate("relu", SPIN, CPU, f"slow{i}") for i in range(4)]
+    slow = [candidate("relu", SLOW, CPU, f"slow{i}") for i in range(4)]
     request = sandbox_pb2.EvaluateBatchRequest(candidates=slow, options=sandbox_pb2.EvaluateOptions(timing=False))
     stream = sandbox.stub.EvaluateBatch(request, timeout=120)
     first = threading.Thread(target=lambda: list(stream))
@@ -133,7 +133,7 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint(sandbox):
 
 
 def test_a_cancelled_batch_frees_its_queue_and_the_service_carries_on(sandbox):
-    slow = [candidate("relu", SPIN, CPU, f"c{i}") for i in range(4)]
+    slow = [candidate("relu", SLOW, CPU, f"c{i}") for i in range(4)]
     stream = sandbox.stub.EvaluateBatch(sandbox_pb2.EvaluateBatchRequest(
         candidates=slow, options=sandbox_pb2.EvaluateOptions(timing=False)), timeout=120)
     time.sleep(0.5)
