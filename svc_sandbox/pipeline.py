@@ -422,7 +422,9 @@ class Evaluator:
             reference_stats = self._cuda_reference_timing(request, spec_task, arguments, trials[0], zygote, timing)
         _place(cwd / "reference.py", spec_task.reference_path.read_text())  # readable by the candidate's uid
         session = _Session(self, request, verdict)
-        limits = self._run_limits(request.run_timeout * 3, memory=not cuda)
+        # Each phase (loading, every trial, the timed runs, a retime) has run_timeout; the
+        # process as a whole gets their sum, so the per-phase deadlines are the ones that bind.
+        limits = self._run_limits(request.run_timeout * (request.trials + 3), memory=not cuda)
         with zygote.run(spec, str(cwd), self._env(cwd), limits, "run.log") as handle:
             session.handle = handle
             if not session.expect("ready", request.run_timeout, phase="load"):
@@ -551,7 +553,7 @@ class Evaluator:
         env = {"TORCH_EXTENSIONS_DIR": str(extensions), "MAX_JOBS": str(max(1, self.settings.threads)),
                "PYTHONDONTWRITEBYTECODE": "1"}
         build = self.settings.kernelbench_build_timeout
-        limits = self._kernelbench_limits(zygote, build + request.run_timeout * 3, memory=device == "cpu")
+        limits = self._kernelbench_limits(zygote, build + request.run_timeout * (request.trials + 2), memory=device == "cpu")
         limits = dataclasses.replace(limits, file_bytes=max(self.settings.file_bytes, 1 << 30),
                                      processes=max(limits.processes, 256) if limits.processes else 0)
         reference_stats = None
