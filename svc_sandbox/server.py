@@ -1,34 +1,390 @@
-"""The SandboxService servicer: a thin layer between the contract and the algorithms.
+"""The SandboxService servicer: a thin layer between the contract and the pipeline.
 
-Every RPC answers UNIMPLEMENTED until issue #3 lands; health, reflection and config
-are real.
+It validates requests (every bad field named), resolves defaults, admits work into the
+bounded pool and streams verdicts back; the evaluation itself lives in pipeline.py, the
+isolation in isolation.py, the checks in static_check.py and checking.py.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
 import dataclasses
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
 
-from leap.sandbox.v1 import sandbox_pb2_grpc
-from leap.runtime import Registration, ServerConfig, Service, ServiceSpec
+from leap import tasks
+from leap.common.v1 import common_pb2
+from leap.runtime import Registration, ServerConfig, Service, ServiceSpec, Violations, not_found, option
+from leap.runtime.errors import error_info
+from leap.runtime.logging import get_logger
+from leap.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
+from svc_sandbox import toolchains
+from svc_sandbox.compile_cache import CompileCache
+from svc_sandbox.isolation import Zygote
+from svc_sandbox.pipeline import Evaluator, Request, Settings, resolve
+from svc_sandbox.pool import WorkerPool
+from svc_sandbox.references import ReferenceStore
+from svc_sandbox.telemetry import Telemetry
+
+import grpc
 
 SERVICE_NAME = "leap.sandbox.v1.SandboxService"
+Toolchain = common_pb2.Toolchain
+TaskView = sandbox_pb2.TaskView
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "leap", "sandbox")
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclasses.dataclass
 class SandboxConfig(ServerConfig):
     """Settings of the sandbox service (server settings included)."""
 
+    workers: int = option(0, "Candidates evaluated in parallel, each by its own worker process; 0 means one per CPU "
+                             "core this process may use.")
+    max_queue: int = option(1024, "Evaluations that may wait for a free worker; a request that does not fit gets "
+                                  "RESOURCE_EXHAUSTED with a retry hint.")
+    max_batch: int = option(512, "Most candidates in one EvaluateBatch request.")
+    max_source_bytes: int = option(64 * 1024, "Largest Candidate.source accepted, in bytes.")
+    max_log_bytes: int = option(8192, "Compiler and runtime logs in a verdict are trimmed to this many bytes, keeping "
+                                      "the head (where the first errors are).")
+    cache_dir: str = option("", "Compile cache directory (shared by the workers; safe to share between replicas). "
+                                "Empty: $XDG_CACHE_HOME/leap/sandbox, else ~/.cache/leap/sandbox.")
+    cache_max_bytes: int = option(2 << 30, "Size the compile cache is kept under (least recently used evicted), in bytes.")
+    work_dir: str = option("", "Where candidates' working directories and the reference inputs live. Empty: a fresh "
+                               "directory under the system temp dir, removed at shutdown.")
+    task_dirs: list[str] = option([], "Directories of KernelBench-style problems (Model, get_inputs, get_init_inputs) "
+                                      "served as tasks of the kernelbench toolchain; comma-separated.")
+    compile_timeout_seconds: float = option(60.0, "Wall-clock limit of a compile, in seconds.")
+    run_timeout_seconds: float = option(30.0, "Wall-clock limit of each run phase of a candidate (loading, each "
+                                              "correctness trial, the timed runs), in seconds.")
+    kernelbench_build_timeout_seconds: float = option(600.0, "Wall-clock limit for a KernelBench candidate's module to "
+                                                             "import and build (load_inline compiles), in seconds.")
+    memory_limit_bytes: int = option(4 << 30, "Address-space limit (RLIMIT_AS) of compilers and cpu candidates, in "
+                                              "bytes (not applied to CUDA processes, which reserve far more).")
+    file_size_limit_bytes: int = option(64 << 20, "Largest file a candidate may write (RLIMIT_FSIZE), in bytes.")
+    process_limit: int = option(64, "Processes and threads a candidate's user may have (RLIMIT_NPROC); applied when "
+                                    "candidates run as their own uid (see sandbox_uid).")
+    sandbox_uid: int = option(61000, "When the service runs as root, worker k runs candidates as uid and gid "
+                                     "sandbox_uid + k (no /etc/passwd entry needed); -1 keeps the service's user.")
+    network_isolation: bool = option(True, "Run candidates in a new network namespace (no network at all) where the "
+                                           "OS allows it; the reason is logged where it does not.")
+    threads_per_candidate: int = option(0, "OpenMP and BLAS threads of each candidate and reference; 0 means the cores "
+                                           "divided among the workers (at least 1).")
+    cpu_compiler: str = option("g++", "Default compiler of the cpu toolchain (g++ or clang++).")
+    cpu_flags: list[str] = option(["-O3", "-march=native", "-fopenmp"], "Compile flags of the cpu toolchain "
+                                  "(-std=c++17 -fPIC -shared -Wl,-z,defs are always added); as a flag: "
+                                  "--cpu-flags=-O3,-march=native,-fopenmp.")
+    precompiled_header: bool = option(True, "Precompile the suite's include lines (math.h, stdint.h) once, which "
+                                            "halves a g++ compile; used with the default compiler and flags.")
+    nvcc: str = option("nvcc", "Compiler of the cuda toolchain.")
+    cuda_flags: list[str] = option(["-O3"], "Compile flags of the cuda toolchain (-arch, -std=c++17, -shared, "
+                                   "-cudart shared are always added).")
+    cuda_arch: str = option("", "GPU architecture to compile for, for example sm_90; empty means the device's own "
+                                "(from NVML), or sm_80 where no device is present.")
+    correctness_trials_cpu: int = option(3, "Default correctness trials (each on fresh inputs) for cpu and kernelbench.")
+    correctness_trials_gpu: int = option(5, "Default correctness trials for cuda.")
+    timing_trials: int = option(10, "Default timed runs of candidate and reference each.")
+    warmup_runs: int = option(2, "Default untimed runs before timing.")
+    suspicious_speedup: float = option(10.0, "Speedups above this get the SUSPICIOUS_SPEEDUP flag.")
+    kernelbench_device: str = option("auto", "Where kernelbench candidates run: cpu, cuda, or auto (cuda when a device "
+                                             "is present).")
+    reference_cache_bytes: int = option(1 << 30, "Memory for cached reference outputs, in bytes (least recently used "
+                                                 "evicted).")
+    telemetry_interval_ms: float = option(20.0, "NVML sampling interval while a candidate is timed, in milliseconds.")
+
 
 class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
     """Compile, run, check and time candidate kernels, safely."""
 
+    def __init__(self, config: SandboxConfig):
+        self.config = config
+        self.log = get_logger("leap.sandbox")
+        self.telemetry = Telemetry()
+        self.pool: WorkerPool | None = None
+        self.evaluator: Evaluator | None = None
+        self._owned_work_dir: Path | None = None
+        self.suite = {t.id: t for t in tasks.load_suite(config.task_dirs)}  # fails fast on a bad task dir
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _start(self) -> None:
+        config = self.config
+        workers = config.workers or available_cores()
+        threads = config.threads_per_candidate or max(1, available_cores() // workers)
+        if config.work_dir:
+            work_dir = Path(config.work_dir)
+            work_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            work_dir = self._owned_work_dir = Path(tempfile.mkdtemp(prefix="leap-sandbox-"))
+        uid_base = config.sandbox_uid if (os.geteuid() == 0 and config.sandbox_uid >= 0) else None
+        settings = Settings(
+            work_dir=work_dir, cpu_compiler=config.cpu_compiler, cpu_flags=list(config.cpu_flags), nvcc=config.nvcc,
+            cuda_flags=list(config.cuda_flags), cuda_arch=config.cuda_arch, compile_timeout=config.compile_timeout_seconds,
+            run_timeout=config.run_timeout_seconds, kernelbench_build_timeout=config.kernelbench_build_timeout_seconds,
+            memory_bytes=config.memory_limit_bytes, file_bytes=config.file_size_limit_bytes,
+            processes=config.process_limit, threads=threads, correctness_trials_cpu=config.correctness_trials_cpu,
+            correctness_trials_gpu=config.correctness_trials_gpu, timing_trials=config.timing_trials,
+            warmup_runs=config.warmup_runs, suspicious_speedup=config.suspicious_speedup,
+            max_log_bytes=config.max_log_bytes, precompiled_header=config.precompiled_header,
+            kernelbench_device=config.kernelbench_device, task_dirs=tuple(config.task_dirs),
+            telemetry_interval=config.telemetry_interval_ms / 1e3, uid_base=uid_base)
+        cache = CompileCache(config.cache_dir or default_cache_dir(), config.cache_max_bytes)
+        references = ReferenceStore(work_dir / "inputs", config.reference_cache_bytes)
+        self.evaluator = Evaluator(settings, cache, references, self.telemetry, self.log)
+        zygotes = [Zygote(slot, None if uid_base is None else uid_base + slot, config.network_isolation, self.log,
+                          threads=threads) for slot in range(workers)]
+        threads_started = [threading.Thread(target=z.start) for z in zygotes]
+        for thread in threads_started:
+            thread.start()
+        for thread in threads_started:
+            thread.join()
+        self.pool = WorkerPool(zygotes, config.max_queue)
+        self.evaluator.prepare(zygotes[0])
+        first = zygotes[0]
+        if uid_base is None:
+            why = "the service is not root" if os.geteuid() != 0 else "sandbox_uid is -1"
+            self.log.warning("candidates run as the service's own user", reason=why)
+        if first.python_unreadable:
+            self.log.warning("kernelbench candidates run as the service's user: the candidates' uid cannot read "
+                             "this Python installation (make it readable to others to isolate them fully)",
+                             unreadable=first.python_unreadable)
+        if not first.netns:
+            self.log.warning("candidates are not in a network namespace; the static check still rejects sockets",
+                             reason=first.netns_reason)
+        self.log.info("sandbox ready", workers=workers, threads_per_candidate=threads, work_dir=str(work_dir),
+                      cache_dir=str(cache.root), uid_base=uid_base, network_isolation=first.netns,
+                      cuda_devices=self.evaluator.devices.cuda_count, cuda=self.evaluator.devices.reason or "available",
+                      nvml=self.telemetry.unavailable_reason or f"{len(self.telemetry.devices)} devices",
+                      precompiled_header=bool(self.evaluator.prelude))
+
+    def _stop(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        if self._owned_work_dir is not None:
+            shutil.rmtree(self._owned_work_dir, ignore_errors=True)
+
+    async def on_start(self) -> None:
+        await asyncio.to_thread(self._start)
+
+    async def on_stop(self) -> None:
+        await asyncio.to_thread(self._stop)
+
+    # ------------------------------------------------------------------ validation
+
+    def _request(self, candidate: sandbox_pb2.Candidate, options: sandbox_pb2.EvaluateOptions, violations: Violations,
+                 where: str, options_where: str = "options") -> Request | None:
+        """The resolved request, or None with the problems added to `violations`. A missing task
+        is NOT_FOUND (raised at once)."""
+        config = self.config
+        start = len(violations.items)
+        if not candidate.task_id:
+            violations.add(f"{where}.task_id", "is required")
+        if candidate.toolchain == Toolchain.TOOLCHAIN_UNSPECIFIED:
+            violations.add(f"{where}.toolchain", "is required: TOOLCHAIN_CPU, TOOLCHAIN_CUDA or TOOLCHAIN_KERNELBENCH")
+        elif candidate.toolchain not in Toolchain.values():
+            violations.add(f"{where}.toolchain", f"unknown toolchain {candidate.toolchain}")
+        if not candidate.source.strip():
+            violations.add(f"{where}.source", "is required and must not be empty")
+        elif len(candidate.source.encode()) > config.max_source_bytes:
+            violations.add(f"{where}.source", f"is {len(candidate.source.encode())} bytes; the limit is "
+                                              f"{config.max_source_bytes}")
+        if len(violations.items) > start or not candidate.task_id:
+            return None
+        task = self.suite.get(candidate.task_id)
+        if task is None:
+            raise not_found("task", candidate.task_id, f"see ListTasks ({where}.task_id)")
+        if candidate.toolchain not in task.toolchains:
+            supported = ", ".join(Toolchain.Name(t) for t in task.toolchains)
+            violations.add(f"{where}.toolchain", f"task {task.id} supports {supported}")
+            return None
+        sizes = [p.name for p in task.sizes]
+        if options.size and options.size not in sizes:
+            violations.add(f"{options_where}.size", f"task {task.id} has sizes {', '.join(sizes)}")
+        for name in ("correctness_trials", "timing_trials", "warmup_runs", "device_index"):
+            if getattr(options, name) < 0:
+                violations.add(f"{options_where}.{name}", "must not be negative")
+        if options.correctness_trials > 100:
+            violations.add(f"{options_where}.correctness_trials", "at most 100")
+        if options.timing_trials > 1000 or options.warmup_runs > 1000:
+            violations.add(f"{options_where}.timing_trials", "timing_trials and warmup_runs are at most 1000")
+        if options.stage_timeout_seconds < 0 or options.stage_timeout_seconds > 3600:
+            violations.add(f"{options_where}.stage_timeout_seconds", "must be in [0, 3600]")
+        for i, check in enumerate(options.disabled_checks):
+            if check not in sandbox_pb2.Check.values() or check == sandbox_pb2.CHECK_UNSPECIFIED:
+                violations.add(f"{options_where}.disabled_checks[{i}]", f"unknown check {check}")
+        cuda = candidate.toolchain == Toolchain.TOOLCHAIN_CUDA
+        if candidate.toolchain == Toolchain.TOOLCHAIN_KERNELBENCH:
+            if options.compiler or options.extra_compile_flags:
+                violations.add(f"{options_where}.compiler", "kernelbench candidates build themselves (load_inline)")
+        else:
+            allowed = ("nvcc",) if cuda else ("g++", "clang++")
+            if options.compiler and options.compiler not in allowed and options.compiler != (config.nvcc if cuda else
+                                                                                               config.cpu_compiler):
+                violations.add(f"{options_where}.compiler", f"one of {', '.join(allowed)}")
+            elif toolchains.find(options.compiler or (config.nvcc if cuda else config.cpu_compiler)) is None:
+                name = options.compiler or (config.nvcc if cuda else config.cpu_compiler)
+                violations.add(f"{options_where}.compiler", f"{name} is not installed on this sandbox")
+            for i in toolchains.bad_extra_flags(list(options.extra_compile_flags), cuda):
+                violations.add(f"{options_where}.extra_compile_flags[{i}]",
+                               f"{options.extra_compile_flags[i]!r} is not allowed (only optimization, target, -D/-U "
+                               f"and warning flags)")
+        if cuda and self.evaluator is not None and self.evaluator.devices.cuda_count and \
+                options.device_index >= self.evaluator.devices.cuda_count:
+            violations.add(f"{options_where}.device_index",
+                           f"this sandbox has {self.evaluator.devices.cuda_count} CUDA devices")
+        if len(violations.items) > start:
+            return None
+        assert self.evaluator is not None
+        return resolve(candidate, options, task, self.evaluator.settings)
+
+    def _ready(self) -> tuple[WorkerPool, Evaluator]:
+        if self.pool is None or self.evaluator is None:
+            raise error_info(grpc.StatusCode.UNAVAILABLE, "the sandbox is starting", "STARTING")
+        return self.pool, self.evaluator
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def Evaluate(self, request, context):
+        pool, evaluator = self._ready()
+        violations = Violations()
+        if not request.HasField("candidate"):
+            violations.add("candidate", "is required")
+            violations.raise_if_any()
+        resolved = self._request(request.candidate, request.options, violations, "candidate")
+        violations.raise_if_any()
+        assert resolved is not None
+        pool.admit(1)
+        verdict = await pool.submit(lambda zygote: evaluator.evaluate(resolved, zygote))
+        return sandbox_pb2.EvaluateResponse(verdict=verdict)
+
+    async def EvaluateBatch(self, request, context):
+        pool, evaluator = self._ready()
+        violations = Violations()
+        if not request.candidates:
+            violations.add("candidates", "at least one candidate is required")
+        if len(request.candidates) > self.config.max_batch:
+            violations.add("candidates", f"{len(request.candidates)} candidates; at most {self.config.max_batch} per batch")
+        violations.raise_if_any()
+        resolved = [self._request(c, request.options, violations, f"candidates[{i}]") for i, c in
+                    enumerate(request.candidates)]
+        violations.raise_if_any()
+        pool.admit(len(resolved))
+
+        async def one(index: int, item: Request) -> sandbox_pb2.EvaluateBatchResponse:
+            verdict = await pool.submit(lambda zygote: evaluator.evaluate(item, zygote))
+            return sandbox_pb2.EvaluateBatchResponse(index=index, verdict=verdict)
+
+        pending = [asyncio.ensure_future(one(i, item)) for i, item in enumerate(resolved) if item is not None]
+        try:
+            for finished in asyncio.as_completed(pending):
+                yield await finished
+        finally:
+            for future in pending:
+                future.cancel()
+
+    # ------------------------------------------------------------------ tasks
+
+    def _view(self, task: sandbox_pb2.Task, view: int) -> sandbox_pb2.Task:
+        return tasks.basic_view(task) if view != TaskView.TASK_VIEW_FULL else task
+
+    async def ListTasks(self, request, context):
+        violations = Violations()
+        if request.page_size < 0:
+            violations.add("page_size", "must not be negative")
+        if request.split and request.split not in tasks.SPLITS:
+            violations.add("split", f"one of {', '.join(tasks.SPLITS)}")
+        offset = 0
+        if request.page_token:
+            try:
+                offset = int(base64.urlsafe_b64decode(request.page_token.encode()).decode())
+            except (ValueError, UnicodeDecodeError):
+                violations.add("page_token", "is not a token from a previous response")
+        violations.raise_if_any()
+        chosen = [t for _, t in sorted(self.suite.items())
+                  if (not request.toolchain or request.toolchain in t.toolchains)
+                  and (not request.split or t.split == request.split)]
+        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        page = chosen[offset:offset + size]
+        token = base64.urlsafe_b64encode(str(offset + size).encode()).decode() if offset + size < len(chosen) else ""
+        return sandbox_pb2.ListTasksResponse(tasks=[self._view(t, request.view) for t in page], next_page_token=token)
+
+    async def GetTask(self, request, context):
+        Violations().check(bool(request.task_id), "task_id", "is required").raise_if_any()
+        task = self.suite.get(request.task_id)
+        if task is None:
+            raise not_found("task", request.task_id, "see ListTasks")
+        return sandbox_pb2.GetTaskResponse(task=self._view(task, request.view))
+
+    # ------------------------------------------------------------------ devices
+
+    async def ListDevices(self, request, context):
+        return sandbox_pb2.ListDevicesResponse(devices=self.telemetry.devices,
+                                               unavailable_reason=self.telemetry.unavailable_reason)
+
+    async def StreamTelemetry(self, request, context):
+        violations = Violations()
+        known = {d.index for d in self.telemetry.devices}
+        for i, index in enumerate(request.device_indices):
+            if index not in known:
+                violations.add(f"device_indices[{i}]", f"no device {index} (see ListDevices)")
+        if request.interval_seconds and request.interval_seconds < 0.05:
+            violations.add("interval_seconds", "at least 0.05")
+        if request.max_samples < 0:
+            violations.add("max_samples", "must not be negative")
+        violations.raise_if_any()
+        if not self.telemetry.devices:
+            raise error_info(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"no devices to sample: {self.telemetry.unavailable_reason}", "NO_DEVICES")
+        indices = list(request.device_indices) or sorted(known)
+        cancelled = threading.Event()
+        queue: asyncio.Queue = asyncio.Queue()  # paced by the interval; the producer never waits on it
+        loop = asyncio.get_running_loop()
+
+        def produce() -> None:
+            try:
+                for sample in self.telemetry.stream(indices, request.interval_seconds or 1.0, request.max_samples,
+                                                    cancelled):
+                    loop.call_soon_threadsafe(queue.put_nowait, sample)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop may be gone at shutdown
+                    loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        producer = loop.run_in_executor(None, produce)
+        try:
+            while (sample := await queue.get()) is not None:
+                yield sandbox_pb2.StreamTelemetryResponse(sample=sample)
+        finally:
+            cancelled.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(producer), 5)
+
 
 def build(config: SandboxConfig) -> Service:
-    servicer = SandboxServicer()
+    servicer = SandboxServicer(config)
     return Service(
         name="sandbox",
         registrations=[Registration(SERVICE_NAME, sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, servicer)],
+        on_start=servicer.on_start,
+        on_stop=servicer.on_stop,
     )
 
 
-SPEC = ServiceSpec(name="sandbox", config_class=SandboxConfig, build=build, description="Compile, run, check and time candidate kernels, safely.")
+SPEC = ServiceSpec(name="sandbox", config_class=SandboxConfig, build=build,
+                   description="Compile, run, check and time candidate kernels, safely.")

@@ -36,9 +36,14 @@ class _CheckEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Check.ValueType
     CHECK_FRESH_INPUTS: _Check.ValueType  # 3
     """Draw fresh inputs for every correctness trial."""
     CHECK_ALTERNATE_ORDER: _Check.ValueType  # 4
-    """Alternate the order of reference and candidate between timed trials."""
+    """Alternate the order of reference and candidate between timed trials. It applies where
+    both are timed in the candidate's process (the cpu toolchain); on cuda and kernelbench
+    the reference is timed once per task, size and device in a process of its own.
+    """
     CHECK_DEVICE_SYNC: _Check.ValueType  # 5
-    """Synchronize the device inside the timed region, so side-stream work counts."""
+    """Synchronize the device inside the timed region, so side-stream work counts (cuda, and
+    kernelbench on a GPU).
+    """
     CHECK_L2_FLUSH: _Check.ValueType  # 6
     """Flush the L2 cache between timed trials on a GPU."""
     CHECK_SPEEDUP_BOUND: _Check.ValueType  # 7
@@ -60,9 +65,14 @@ CHECK_INPUT_MUTATION: Check.ValueType  # 2
 CHECK_FRESH_INPUTS: Check.ValueType  # 3
 """Draw fresh inputs for every correctness trial."""
 CHECK_ALTERNATE_ORDER: Check.ValueType  # 4
-"""Alternate the order of reference and candidate between timed trials."""
+"""Alternate the order of reference and candidate between timed trials. It applies where
+both are timed in the candidate's process (the cpu toolchain); on cuda and kernelbench
+the reference is timed once per task, size and device in a process of its own.
+"""
 CHECK_DEVICE_SYNC: Check.ValueType  # 5
-"""Synchronize the device inside the timed region, so side-stream work counts."""
+"""Synchronize the device inside the timed region, so side-stream work counts (cuda, and
+kernelbench on a GPU).
+"""
 CHECK_L2_FLUSH: Check.ValueType  # 6
 """Flush the L2 cache between timed trials on a GPU."""
 CHECK_SPEEDUP_BOUND: Check.ValueType  # 7
@@ -92,7 +102,9 @@ class _VerdictFlagEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VerdictFl
     VERDICT_FLAG_TIMEOUT: _VerdictFlag.ValueType  # 4
     """A stage ran past its wall-clock limit and was killed."""
     VERDICT_FLAG_MEMORY_LIMIT: _VerdictFlag.ValueType  # 5
-    """The candidate ran out of its address-space limit."""
+    """The candidate ran out of memory: its address-space limit on a CPU (seen as a failed
+    allocation: std::bad_alloc, MemoryError), or the device's memory.
+    """
     VERDICT_FLAG_CPU_LIMIT: _VerdictFlag.ValueType  # 6
     """The candidate ran out of its CPU-time limit."""
     VERDICT_FLAG_FILE_SIZE_LIMIT: _VerdictFlag.ValueType  # 7
@@ -100,7 +112,11 @@ class _VerdictFlagEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VerdictFl
     VERDICT_FLAG_PROCESS_LIMIT: _VerdictFlag.ValueType  # 8
     """The candidate tried to create more processes or threads than allowed."""
     VERDICT_FLAG_CRASHED: _VerdictFlag.ValueType  # 9
-    """The candidate was ended by a signal (segfault, abort, illegal memory access)."""
+    """The candidate was ended by a signal (segfault, abort, illegal instruction). On the cpu
+    toolchain every buffer ends right before an inaccessible page, so reading or writing one
+    element past the end crashes. A CUDA error (illegal memory access, bad launch) is
+    STAGE_RUN with the error in runtime_error.
+    """
     VERDICT_FLAG_OUTPUT_NOT_WRITTEN: _VerdictFlag.ValueType  # 10
     """Some output element still held the NaN sentinel: the kernel did not write it."""
     VERDICT_FLAG_INPUT_MUTATED: _VerdictFlag.ValueType  # 11
@@ -115,7 +131,12 @@ class _VerdictFlagEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VerdictFl
     """The first timing was taken under throttling and was retaken once."""
 
 class VerdictFlag(_VerdictFlag, metaclass=_VerdictFlagEnumTypeWrapper):
-    """A notable condition of a verdict."""
+    """A notable condition of a verdict. Flags explain a failure (TIMEOUT ... FORBIDDEN_CALL go
+    with the stage they stopped at), warn about a pass (SUSPICIOUS_SPEEDUP, TIMING_UNRELIABLE:
+    do not trust the speedup), or are neutral information (CACHE_HIT, LOG_TRUNCATED,
+    RETIMED). NO_DEVICE is neither the candidate's success nor its failure: the sandbox could
+    not run it. docs/ARCHITECTURE.md ("Sandbox") has the full table.
+    """
 
 VERDICT_FLAG_UNSPECIFIED: VerdictFlag.ValueType  # 0
 """Not set."""
@@ -130,7 +151,9 @@ the run stage was not attempted, and no result is made up.
 VERDICT_FLAG_TIMEOUT: VerdictFlag.ValueType  # 4
 """A stage ran past its wall-clock limit and was killed."""
 VERDICT_FLAG_MEMORY_LIMIT: VerdictFlag.ValueType  # 5
-"""The candidate ran out of its address-space limit."""
+"""The candidate ran out of memory: its address-space limit on a CPU (seen as a failed
+allocation: std::bad_alloc, MemoryError), or the device's memory.
+"""
 VERDICT_FLAG_CPU_LIMIT: VerdictFlag.ValueType  # 6
 """The candidate ran out of its CPU-time limit."""
 VERDICT_FLAG_FILE_SIZE_LIMIT: VerdictFlag.ValueType  # 7
@@ -138,7 +161,11 @@ VERDICT_FLAG_FILE_SIZE_LIMIT: VerdictFlag.ValueType  # 7
 VERDICT_FLAG_PROCESS_LIMIT: VerdictFlag.ValueType  # 8
 """The candidate tried to create more processes or threads than allowed."""
 VERDICT_FLAG_CRASHED: VerdictFlag.ValueType  # 9
-"""The candidate was ended by a signal (segfault, abort, illegal memory access)."""
+"""The candidate was ended by a signal (segfault, abort, illegal instruction). On the cpu
+toolchain every buffer ends right before an inaccessible page, so reading or writing one
+element past the end crashes. A CUDA error (illegal memory access, bad launch) is
+STAGE_RUN with the error in runtime_error.
+"""
 VERDICT_FLAG_OUTPUT_NOT_WRITTEN: VerdictFlag.ValueType  # 10
 """Some output element still held the NaN sentinel: the kernel did not write it."""
 VERDICT_FLAG_INPUT_MUTATED: VerdictFlag.ValueType  # 11
@@ -310,9 +337,14 @@ class EvaluateOptions(_message.Message):
     seed: _builtins.int
     """Seed of the input generator. Default 0."""
     stage_timeout_seconds: _builtins.float
-    """Wall-clock limit of each stage (compile, each run), in seconds. Default: the service's."""
+    """Wall-clock limit of each stage (the compile, and each run phase: loading, each
+    correctness trial, the timed runs), in seconds. Default: the service's. A candidate
+    past it is killed: STAGE_RUN (or STAGE_COMPILE) with VERDICT_FLAG_TIMEOUT.
+    """
     compiler: _builtins.str
-    """Compiler to use, for example "g++", "clang++" or "nvcc". Default: the toolchain's."""
+    """Compiler to use: "g++" or "clang++" for cpu, "nvcc" for cuda; none for kernelbench.
+    Default: the toolchain's. One that is not installed is INVALID_ARGUMENT.
+    """
     device_index: _builtins.int
     """Device ordinal for the cuda toolchain. Default 0."""
     raw_source: _builtins.bool
@@ -323,7 +355,10 @@ class EvaluateOptions(_message.Message):
 
     @_builtins.property
     def extra_compile_flags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Flags appended to the toolchain's default compile flags."""
+        """Flags appended to the toolchain's default compile flags. Only optimization, target,
+        -D/-U and warning flags are accepted; anything naming a file, library or plugin is
+        INVALID_ARGUMENT.
+        """
 
     def __init__(
         self,
@@ -526,7 +561,9 @@ class Mismatch(_message.Message):
     output: _builtins.str
     """Name of the output argument that failed."""
     trial: _builtins.int
-    """Correctness trial (0-based) that failed."""
+    """Correctness trial (0-based) that failed; equal to the number of correctness trials when
+    the outputs of the timed runs were wrong (a kernel that stops computing after a while).
+    """
     max_abs_error: _builtins.float
     """Largest |got - expected| over the output."""
     max_rel_error: _builtins.float
@@ -542,7 +579,10 @@ class Mismatch(_message.Message):
     total_elements: _builtins.int
     """Number of elements of the output."""
     reason: _builtins.str
-    """What went wrong: "values", "nan", "shape", "output not written" or "input mutated"."""
+    """What went wrong: "values", "nan", "shape", "output not written" (some element still
+    holds the sentinel the buffer was filled with) or "input mutated" (then `output` names the
+    input).
+    """
     def __init__(
         self,
         *,
@@ -639,7 +679,19 @@ class Verdict(_message.Message):
     toolchain: _common_pb2.Toolchain.ValueType
     """Toolchain used."""
     stage: _common_pb2.Stage.ValueType
-    """First stage failed, or STAGE_PASSED."""
+    """First stage failed, or STAGE_PASSED:
+    - STAGE_FORMAT: no code block, the entry point (or class ModelNew) is missing, or the
+      static check rejected the code (VERDICT_FLAG_FORBIDDEN_CALL, reasons in `message`);
+    - STAGE_COMPILE: the compiler failed or timed out, or the object does not export the
+      entry point with C linkage; kernelbench: the module failed to import or ModelNew to
+      build (a load_inline build error included);
+    - STAGE_RUN: the candidate crashed, timed out, hit a limit, raised, exited early, or a
+      CUDA call failed; also a cuda candidate where no GPU is present (VERDICT_FLAG_NO_DEVICE:
+      it compiled and was not run);
+    - STAGE_CORRECT: an output outside tolerance, unwritten, of the wrong shape, or an input
+      changed, in a correctness trial or in the timed runs (see `mismatch`);
+    - STAGE_PASSED: every correctness trial within tolerance (then timed, when asked).
+    """
     message: _builtins.str
     """One-line human summary, for example "compile error: 'x' was not declared"."""
     runtime_error: _builtins.str
@@ -672,7 +724,10 @@ class Verdict(_message.Message):
 
     @_builtins.property
     def reference_timing(self) -> Global___TimingStats:
-        """The reference's timing on the same inputs and device."""
+        """The reference's timing on the same inputs and device: on cpu, NumPy timed in the
+        candidate's process, interleaved with it; on cuda, the task's PyTorch baseline, and on
+        kernelbench, the problem's Model, each timed once per task, size and device and reused.
+        """
 
     @_builtins.property
     def flags(self) -> _containers.RepeatedScalarFieldContainer[Global___VerdictFlag.ValueType]:

@@ -1,7 +1,5 @@
 """Reference of batched_gemm: NumPy (the oracle and the CPU baseline) and PyTorch (the GPU baseline)."""
 
-import numpy as np
-
 
 def reference(a, b, batch, m, n, k):
     return a @ b

@@ -12,6 +12,4 @@ def reference(table, idx, v, d, m):
 
 
 def torch_reference(table, idx, v, d, m):
-    import torch
-
     return table[idx]

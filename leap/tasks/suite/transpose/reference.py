@@ -8,6 +8,4 @@ def reference(x, m, n):
 
 
 def torch_reference(x, m, n):
-    import torch
-
     return x.t().contiguous()

@@ -1,0 +1,282 @@
+"""Sandbox speed, as ratios measured in one run on this machine (DESIGN.md, "Figures"):
+
+1. compile: one kernel through the sandbox's compile stage cold and from the cache, against
+   the same kernel built by torch.utils.cpp_extension.load_inline (targets: >= 20x faster
+   cold, a cache hit under 5 ms);
+2. evaluation latency over gRPC: a whole Evaluate, cold and cached;
+3. throughput: a batch of distinct candidates with 1 worker and with one per core (target:
+   near-linear in the cores);
+4. with --gpu: every CUDA solution on the large preset against the PyTorch baseline, and
+   the effect of the L2 flush and the device synchronize on timings.
+
+    python benchmarks/bench_sandbox.py --out runs/bench_sandbox [--gpu] [--quick]
+
+Writes results.json and sandbox.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from leap import prompts, tasks  # noqa: E402
+from leap.common.v1 import common_pb2  # noqa: E402
+from leap.runtime import BackgroundServer  # noqa: E402
+from leap.runtime.logging import configure_logging, get_logger  # noqa: E402
+from leap.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc  # noqa: E402
+from svc_sandbox.server import SPEC, SandboxConfig, available_cores  # noqa: E402
+
+CPU, CUDA = common_pb2.Toolchain.TOOLCHAIN_CPU, common_pb2.Toolchain.TOOLCHAIN_CUDA
+SOLUTION = tasks.ExampleKind.EXAMPLE_KIND_SOLUTION
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Sandbox:
+    def __init__(self, directory: Path, **settings):
+        config = SandboxConfig(port=free_port(), drain_seconds=0.0, cache_dir=str(directory / f"cache-{uuid.uuid4().hex}"),
+                               log_level="warning", **settings)
+        self.server = BackgroundServer(SPEC.build(config), config).start()
+        self.channel = grpc.insecure_channel(self.server.address)
+        self.stub = sandbox_pb2_grpc.SandboxServiceStub(self.channel)
+        self.servicer = self.server.service.registrations[0].servicer
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop()
+
+    def evaluate(self, task_id: str, code: str, toolchain: int = CPU, **options) -> sandbox_pb2.Verdict:
+        candidate = sandbox_pb2.Candidate(task_id=task_id, toolchain=toolchain, source=prompts.answer(code, toolchain))
+        return self.stub.Evaluate(sandbox_pb2.EvaluateRequest(candidate=candidate, options=sandbox_pb2.EvaluateOptions(
+            **options)), timeout=600).verdict
+
+    def batch(self, candidates, **options) -> tuple[list[sandbox_pb2.Verdict], float]:
+        started = time.perf_counter()
+        replies = list(self.stub.EvaluateBatch(sandbox_pb2.EvaluateBatchRequest(
+            candidates=candidates, options=sandbox_pb2.EvaluateOptions(**options)), timeout=3600))
+        return [r.verdict for r in sorted(replies, key=lambda r: r.index)], time.perf_counter() - started
+
+
+def solution(task_id: str, toolchain: int = CPU) -> str:
+    return tasks.examples(tasks.get_task(task_id), toolchain, SOLUTION)[0].source
+
+
+def unique(code: str) -> str:
+    return code + f"// {uuid.uuid4().hex}\n"
+
+
+def compile_stage(sandbox: Sandbox, code: str, runs: int) -> list[float]:
+    """Seconds of the compile stage alone (the evaluator's own code path, in this process)."""
+    from svc_sandbox.pipeline import resolve
+
+    evaluator = sandbox.servicer.evaluator
+    zygote = sandbox.servicer.pool.zygotes[0]
+    task = tasks.get_task("relu")
+    request = resolve(sandbox_pb2.Candidate(task_id="relu", toolchain=CPU, source=code), sandbox_pb2.EvaluateOptions(
+        raw_source=True), task, evaluator.settings)
+    seconds = []
+    for _ in range(runs):
+        verdict = sandbox_pb2.Verdict()
+        with evaluator._job_dir(zygote) as cwd:
+            started = time.perf_counter()
+            assert evaluator._compile(request, code, verdict, zygote, cwd) is not None, verdict.compile.log
+            seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def load_inline_seconds(code: str, runs: int, directory: Path) -> list[float]:
+    import torch.utils.cpp_extension as cpp
+
+    wrapper = (code + "\n#include <torch/extension.h>\ntorch::Tensor run(torch::Tensor x) {\n"
+               "    auto y = torch::empty_like(x);\n    relu(x.data_ptr<float>(), y.data_ptr<float>(), x.numel());\n"
+               "    return y;\n}\n")
+    seconds = []
+    for i in tqdm(range(runs), desc="load_inline (cold)", leave=False):
+        build = directory / f"load_inline-{i}-{uuid.uuid4().hex[:8]}"
+        build.mkdir()
+        started = time.perf_counter()
+        cpp.load_inline(name=f"bench_relu_{uuid.uuid4().hex[:8]}", cpp_sources=wrapper, functions=["run"],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(build), verbose=False)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def bench_compile(directory: Path, quick: bool) -> dict:
+    sandbox = Sandbox(directory, workers=1)
+    try:
+        code = solution("relu")
+        cold = []
+        for _ in tqdm(range(3 if quick else 10), desc="sandbox compile (cold)", leave=False):
+            cold += compile_stage(sandbox, unique(code), 1)
+        warm_code = unique(code)
+        compile_stage(sandbox, warm_code, 1)
+        hit = compile_stage(sandbox, warm_code, 20 if quick else 100)
+        evaluate_cold = [sandbox.evaluate("relu", unique(code), timing=False).wall_seconds for _ in range(3 if quick else 10)]
+        evaluate_hit = [sandbox.evaluate("relu", warm_code, timing=False).wall_seconds for _ in range(10 if quick else 50)]
+        evaluate_timed = [sandbox.evaluate("relu", warm_code).wall_seconds for _ in range(5 if quick else 20)]
+    finally:
+        sandbox.close()
+    inline = load_inline_seconds(code, 1 if quick else 2, directory)
+    return {"sandbox_cold_ms": ms(cold), "sandbox_hit_ms": ms(hit), "load_inline_cold_ms": ms(inline),
+            "cold_speedup_vs_load_inline": ms(inline) / ms(cold), "evaluate_cold_ms": ms(evaluate_cold),
+            "evaluate_cached_ms": ms(evaluate_hit), "evaluate_cached_timed_ms": ms(evaluate_timed)}
+
+
+def bench_throughput(directory: Path, quick: bool) -> dict:
+    suite = tasks.load_suite()
+    copies = 1 if quick else 2
+    cores = available_cores()
+    results = {}
+    for workers in sorted({1, cores}):
+        sandbox = Sandbox(directory, workers=workers, threads_per_candidate=1)
+        try:
+            batch = [sandbox_pb2.Candidate(task_id=t.id, toolchain=CPU, source=prompts.answer(unique(solution(t.id))))
+                     for t in suite for _ in range(copies)]
+            verdicts, seconds = sandbox.batch(batch, timing_trials=5, warmup_runs=1)
+            assert all(v.stage == common_pb2.Stage.STAGE_PASSED for v in verdicts)
+            results[workers] = {"candidates": len(batch), "seconds": seconds, "per_second": len(batch) / seconds}
+        finally:
+            sandbox.close()
+    scaling = results[cores]["per_second"] / results[1]["per_second"] if cores > 1 else 1.0
+    return {"cores": cores, "by_workers": results, "scaling": scaling, "scaling_efficiency": scaling / cores}
+
+
+def bench_gpu(directory: Path, quick: bool) -> dict:
+    sandbox = Sandbox(directory)
+    try:
+        if not sandbox.servicer.evaluator.devices.cuda_count:
+            return {"skipped": sandbox.servicer.evaluator.devices.reason}
+        suite = tasks.load_suite()
+        batch = [sandbox_pb2.Candidate(task_id=t.id, toolchain=CUDA, source=prompts.answer(solution(t.id, CUDA), CUDA))
+                 for t in suite]
+        verdicts, seconds = sandbox.batch(batch)
+        per_task = {v.task_id: {"stage": common_pb2.Stage.Name(v.stage), "speedup": v.speedup,
+                                "candidate_ms": v.candidate_timing.median_ms, "reference_ms": v.reference_timing.median_ms,
+                                "candidate_std_ms": v.candidate_timing.std_ms, "compile_s": v.compile.seconds,
+                                "flags": [sandbox_pb2.VerdictFlag.Name(f) for f in v.flags],
+                                "sm_clock_mhz": [s.sm_clock_mhz for s in v.telemetry][:3]} for v in verdicts}
+        checks = {}
+        for task_id in ("relu", "gemv", "softmax"):
+            code = solution(task_id, CUDA)
+            rows = {}
+            for label, disabled in (("all checks", []), ("no L2 flush", [sandbox_pb2.CHECK_L2_FLUSH]),
+                                    ("no device sync", [sandbox_pb2.CHECK_DEVICE_SYNC])):
+                verdict = sandbox.evaluate(task_id, code, CUDA, disabled_checks=disabled, timing_trials=20)
+                rows[label] = {"median_ms": verdict.candidate_timing.median_ms, "std_ms": verdict.candidate_timing.std_ms}
+            checks[task_id] = rows
+        cached = sandbox.evaluate("relu", solution("relu", CUDA), CUDA)
+        return {"batch_seconds": seconds, "per_task": per_task, "timing_checks": checks,
+                "nvcc_cold_s": per_task["relu"]["compile_s"], "cached_evaluate_ms": cached.wall_seconds * 1e3,
+                "passed": sum(p["stage"] == "STAGE_PASSED" for p in per_task.values()), "tasks": len(per_task)}
+    finally:
+        sandbox.close()
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 3 if "gpu" in results and "per_task" in results["gpu"] else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    c = results["compile"]
+    axes[0].bar(["sandbox\ncache hit", "sandbox\ncold", "load_inline\ncold"],
+                [c["sandbox_hit_ms"], c["sandbox_cold_ms"], c["load_inline_cold_ms"]], color=["#4c9", "#49c", "#c74"])
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("compile latency (ms, log)")
+    axes[0].set_title(f"compile: {c['cold_speedup_vs_load_inline']:.0f}x faster than load_inline")
+    t = results["throughput"]
+    workers = sorted(int(w) for w in t["by_workers"])
+    axes[1].plot(workers, [t["by_workers"][w]["per_second"] for w in workers], "o-", label="measured")
+    axes[1].plot(workers, [t["by_workers"][workers[0]]["per_second"] * w for w in workers], "--", label="linear")
+    axes[1].set_xlabel("workers")
+    axes[1].set_ylabel("candidates / s")
+    axes[1].set_title(f"batch throughput ({t['scaling']:.2f}x on {t['cores']} cores)")
+    axes[1].legend()
+    if panels == 3:
+        per_task = results["gpu"]["per_task"]
+        names = sorted(per_task)
+        axes[2].barh(names, [per_task[n]["speedup"] for n in names])
+        axes[2].axvline(1.0, color="k", lw=0.8)
+        axes[2].set_xscale("log")
+        axes[2].set_title("CUDA solutions vs PyTorch (large preset)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench_sandbox", help="directory for results.json and sandbox.png")
+    parser.add_argument("--gpu", action="store_true", help="also run the GPU part (needs an NVIDIA GPU)")
+    parser.add_argument("--gpu-only", action="store_true", help="run only the GPU part")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    args = parser.parse_args()
+    configure_logging("warning")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = get_logger("bench")
+    results: dict = {"machine": {"cores": available_cores(), "note": "shared machine: figures vary between runs"}}
+    with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as scratch:
+        directory = Path(scratch)
+        os.chmod(directory, 0o755)
+        if not args.gpu_only:
+            results["compile"] = bench_compile(directory, args.quick)
+            c = results["compile"]
+            print(f"compile, cold:           sandbox {c['sandbox_cold_ms']:.0f} ms, load_inline {c['load_inline_cold_ms']:.0f} ms"
+                  f" -> {c['cold_speedup_vs_load_inline']:.0f}x faster (target >= 20x)")
+            print(f"compile, cache hit:      {c['sandbox_hit_ms']:.2f} ms (target < 5 ms)")
+            print(f"Evaluate over gRPC:      cold {c['evaluate_cold_ms']:.0f} ms, cached {c['evaluate_cached_ms']:.0f} ms, "
+                  f"cached and timed {c['evaluate_cached_timed_ms']:.0f} ms")
+            results["throughput"] = bench_throughput(directory, args.quick)
+            t = results["throughput"]
+            for workers, row in sorted(t["by_workers"].items()):
+                print(f"batch, {workers} worker(s):      {row['candidates']} candidates in {row['seconds']:.1f} s "
+                      f"= {row['per_second']:.1f}/s")
+            print(f"throughput scaling:      {t['scaling']:.2f}x with {t['cores']} workers "
+                  f"({t['scaling_efficiency']:.0%} of linear)")
+        if args.gpu or args.gpu_only:
+            results["gpu"] = bench_gpu(directory, args.quick)
+            g = results["gpu"]
+            if "skipped" in g:
+                print(f"gpu: skipped ({g['skipped']})")
+            else:
+                print(f"gpu: {g['passed']}/{g['tasks']} CUDA solutions passed; nvcc cold {g['nvcc_cold_s']:.2f} s; "
+                      f"cached Evaluate {g['cached_evaluate_ms']:.0f} ms")
+                for task_id, row in sorted(g["per_task"].items()):
+                    print(f"  {task_id:14s} {row['stage']:13s} {row['candidate_ms']:9.3f} ms vs {row['reference_ms']:9.3f} ms"
+                          f"  speedup {row['speedup']:.2f}  {' '.join(row['flags'])}")
+                for task_id, rows in g["timing_checks"].items():
+                    print(f"  {task_id}: " + ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in rows.items()))
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    if "compile" in results:
+        plot(results, out / "sandbox.png")
+    log.warning("benchmark written", out=str(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

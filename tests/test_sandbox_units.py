@@ -1,0 +1,220 @@
+"""Pure parts of the sandbox, without a server: the static check, output comparison,
+timing statistics and order, log trimming, throttle detection, allowed compile flags, the
+wire format's defence against malformed frames, and the compile cache under concurrency."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from leap.common.v1 import common_pb2
+from leap.sandbox.v1 import sandbox_pb2
+from svc_sandbox import checking, static_check, toolchains
+from svc_sandbox.compile_cache import CompileCache, cache_key
+from svc_sandbox.wire import WireError, WireTimeout, recv_frame, send_frame
+
+CPU = common_pb2.Toolchain.TOOLCHAIN_CPU
+KB = common_pb2.Toolchain.TOOLCHAIN_KERNELBENCH
+KERNEL = '#include <math.h>\n#include <stdint.h>\nextern "C" void relu(const float* x, float* y, int64_t n) {{\n{}\n}}\n'
+
+
+def rules(code: str, toolchain: int = CPU, forbidden=()) -> set[str]:
+    return {f.rule for f in static_check.static_check(code, toolchain, list(forbidden))}
+
+
+@pytest.mark.parametrize("body, rule", [
+    ("if (fork() == 0) {}", "spawns processes"),
+    ('system("ls");', "spawns processes"),
+    ("execve(0, 0, 0);", "spawns processes"),
+    ("std::thread t([]{}); t.join();", "spawns threads"),
+    ("pthread_create(0, 0, 0, 0);", "spawns threads"),
+    ('FILE* f = fopen("/etc/shadow", "r");', "opens files or sockets"),
+    ("std::ifstream in(argv);", "opens files or sockets"),
+    ("int s = socket(2, 1, 0);", "opens files or sockets"),
+    ('void* h = dlopen("libcblas.so", 2);', "loads code at run time"),
+    ("struct timespec t; clock_gettime(0, &t);", "patches or reads timers"),
+    ("auto t = std::chrono::steady_clock::now();", "patches or reads timers"),
+    ('asm volatile("syscall");', "issues system calls"),
+])
+def test_static_check_rejects_what_a_kernel_must_not_do(body, rule):
+    assert rule in rules(KERNEL.format(body))
+
+
+@pytest.mark.parametrize("line, rule", [
+    ("#include <thread>", "spawns threads"),
+    ('#include "/etc/passwd"', "opens files or sockets"),
+    ("#include <sys/socket.h>", "opens files or sockets"),
+    ("#include <chrono>", "patches or reads timers"),
+    ("__attribute__((constructor)) static void early() {}", "runs code at load time"),
+])
+def test_static_check_rejects_includes_and_load_time_code(line, rule):
+    assert rule in rules(line + "\n" + KERNEL.format(""))
+
+
+def test_static_check_ignores_comments_strings_and_ordinary_kernels():
+    code = KERNEL.format('    // fork() or system() in a comment\n    /* fopen("x") */ const char* s = "socket(";\n'
+                         "    #pragma omp parallel for\n    for (int64_t i = 0; i < n; i++) y[i] = expf(x[i]);")
+    assert rules(code) == set()
+    cuda = ("__global__ void k(float* y) { asm(\"mov.u32 %0, %%laneid;\" : \"=r\"(i)); }\n"
+            'extern "C" void relu(const float* x, float* y, int64_t n) { cudaMemset(y, 0, 4); k<<<1, 1>>>(y); }')
+    assert rules(cuda) == set()
+
+
+def test_static_check_rejects_the_reference_library_where_the_task_forbids_it():
+    code = KERNEL.format("cblas_sgemm(101, 111, 111, 1, 1, 1, 1.0f, x, 1, x, 1, 0.0f, y, 1);")
+    assert rules(code, forbidden=["cblas_sgemm"]) == {"calls the reference library, which this task forbids"}
+    assert rules(code) == set()  # allowed where the task does not forbid it (it would not link anyway)
+
+
+@pytest.mark.parametrize("code, rule", [
+    ("import subprocess\n", "spawns processes"),
+    ("import os\nos.system('ls')\n", "spawns processes"),
+    ("from threading import Thread\n", "spawns threads"),
+    ("data = open('/etc/passwd').read()\n", "opens files or sockets"),
+    ("import time\n", "patches or reads timers"),
+    ("import torch\ntorch.cuda.synchronize = lambda: None\n", "patches a library"),
+    ("import torch.nn.functional as F\nF.gelu = lambda x: x\n", "patches a library"),
+    ("import torch\nsetattr(torch, 'matmul', None)\n", "patches the interpreter"),
+    ("import sys\nsys.modules['x'] = None\n", "patches the interpreter"),
+    ("eval('1')\n", "loads code at run time"),
+    ("src = '#include <unistd.h>\\nint f() { return fork(); }'\n", "spawns processes"),
+])
+def test_static_check_of_kernelbench_modules(code, rule):
+    assert rule in rules("import torch\nclass ModelNew(torch.nn.Module):\n    pass\n" + code, KB)
+
+
+def test_kernelbench_module_may_use_torch_and_load_inline():
+    code = ("import os\nimport torch\nfrom torch.utils.cpp_extension import load_inline\n"
+            "os.environ['TORCH_CUDA_ARCH_LIST'] = '9.0'\n"
+            "src = '#include <torch/extension.h>\\ntorch::Tensor f(torch::Tensor x) { return x * 2; }'\n"
+            "class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        self.y = torch.relu(x)\n"
+            "        return torch.matmul(x, x)\n")
+    assert rules(code, KB) == set()
+    assert rules(code, KB, forbidden=["torch.matmul"]) == {"calls the reference op, which this task forbids"}
+
+
+def test_entry_point_and_model_new_are_required():
+    assert static_check.missing_entry_point(KERNEL.format(""), CPU, "relu") is None
+    assert "no function gelu" in static_check.missing_entry_point(KERNEL.format(""), CPU, "gelu")
+    assert static_check.missing_entry_point("// relu(\nint x;", CPU, "relu")  # a comment is not a definition
+    assert static_check.missing_entry_point("class Model: pass", KB, "ModelNew") == "no class ModelNew is defined"
+    assert static_check.missing_entry_point("class ModelNew(:", KB, "ModelNew") is None  # COMPILE reports it
+
+
+def test_compare_reports_the_first_bad_element_and_why():
+    expected = np.arange(8, dtype=np.float64)
+    assert checking.compare("y", 0, expected.astype(np.float32), expected, 1e-6, 1e-6) is None
+    got = expected.astype(np.float32).copy()
+    got[5] = -1.0
+    m = checking.compare("y", 2, got, expected, 1e-6, 1e-6)
+    assert (m.output, m.trial, m.first_bad_index, m.expected, m.got, m.bad_elements, m.total_elements, m.reason) == \
+        ("y", 2, 5, 5.0, -1.0, 1, 8, "values")
+    assert m.max_abs_error == 6.0
+    got[5] = np.nan
+    assert checking.compare("y", 0, got, expected, 1e-6, 1e-6).reason == "nan"
+    untouched = got.copy()
+    untouched.view(np.uint8)[12:16] = checking.SENTINEL_BYTE  # element 3 never written
+    m = checking.compare("y", 0, untouched, expected, 1e-6, 1e-6)
+    assert m.reason == "output not written" and m.first_bad_index == 3
+    assert checking.compare("y", 0, untouched, expected, 1e-6, 1e-6, sentinel=False).reason == "nan"
+    assert checking.compare("y", 0, got[:4], expected, 1, 1).reason == "shape"
+
+
+def test_tolerance_is_absolute_plus_relative():
+    expected = np.array([100.0, 0.0])
+    assert checking.compare("y", 0, np.array([100.5, 0.0005]), expected, 1e-3, 1e-2) is None
+    assert checking.compare("y", 0, np.array([101.5, 0.0]), expected, 1e-3, 1e-2).first_bad_index == 0
+
+
+def test_timing_stats_speedup_and_alternating_order():
+    stats = checking.timing_stats([0.001, 0.003, 0.002])
+    assert (stats.median_ms, stats.min_ms, stats.max_ms, stats.trials) == (2.0, 1.0, 3.0, 3)
+    assert stats.mean_ms == pytest.approx(2.0) and stats.std_ms == pytest.approx(0.8165, rel=1e-3)
+    assert checking.speedup(checking.timing_stats([0.004]), stats) == 2.0
+    assert checking.speedup(sandbox_pb2.TimingStats(), stats) == 0.0
+    assert checking.timing_schedule(4, alternate=True) == [("reference", "candidate"), ("candidate", "reference")] * 2
+    assert checking.timing_schedule(3, alternate=False) == [("reference", "candidate")] * 3
+
+
+def test_log_trimming_keeps_the_head_within_the_limit():
+    log = "kernel.cpp:3: error: first\n" + "noise\n" * 1000
+    trimmed, cut = checking.trim_log(log, 200)
+    assert cut and trimmed.startswith("kernel.cpp:3: error: first") and len(trimmed.encode()) <= 200
+    assert checking.trim_log("short", 200) == ("short", False)
+
+
+def test_throttle_reasons_that_make_timing_unreliable():
+    idle = sandbox_pb2.TelemetrySample(throttle_reasons=["gpu_idle"])
+    hot = sandbox_pb2.TelemetrySample(throttle_reasons=["sw_thermal_slowdown", "gpu_idle"])
+    assert checking.throttled([idle]) == []
+    assert checking.throttled([idle, hot]) == ["sw_thermal_slowdown"]
+
+
+def test_extra_compile_flags_allow_tuning_but_nothing_that_touches_files():
+    good = ["-O2", "-ffast-math", "-march=skylake", "-mavx2", "-DTILE=64", "-funroll-loops", "-Wall"]
+    assert toolchains.bad_extra_flags(good, cuda=False) == []
+    bad = ["-o/tmp/x", "-include/etc/passwd", "-I/", "-lcblas", "-Wl,--wrap=clock_gettime", "@/etc/flags",
+           "-fplugin=x.so", "-B/tmp", "-specs=x"]
+    assert toolchains.bad_extra_flags(bad, cuda=False) == list(range(len(bad)))
+    assert toolchains.bad_extra_flags(["--use_fast_math", "-lineinfo", "-arch=sm_90a", "--maxrregcount=64"], cuda=True) == []
+    assert toolchains.bad_extra_flags(["-Xcompiler=-fplugin=x.so", "-ccbin=/tmp/cc"], cuda=True) == [0, 1]
+
+
+def test_wire_frames_round_trip_and_reject_malformed_input():
+    left, right = socket.socketpair()
+    with left, right:
+        send_frame(left, {"event": "trial", "n": 1}, b"\x00\x01")
+        assert recv_frame(right, deadline=None) == ({"event": "trial", "n": 1}, bytearray(b"\x00\x01"))
+        left.sendall(struct.pack("!IQ", 1 << 30, 0))
+        with pytest.raises(WireError, match="too large"):
+            recv_frame(right)
+        left.sendall(struct.pack("!IQ", 2, 0) + b"[]")
+        with pytest.raises(WireError, match="not an object"):
+            recv_frame(right)
+        with pytest.raises(WireTimeout):
+            import time
+            recv_frame(right, deadline=time.monotonic() + 0.05)
+
+
+def test_compile_cache_is_consistent_under_concurrent_writers(tmp_path):
+    cache = CompileCache(tmp_path / "cache", max_bytes=1 << 30)
+    obj = tmp_path / "k.so"
+    obj.write_bytes(b"\x7fELF" + b"x" * 100_000)
+    key = cache_key("cpu", "g++ 12", "-O3", "code")
+    assert key != cache_key("cpu", "g++ 12", "-O2", "code") and cache.lookup(key) is None
+
+    def store(i: int) -> None:
+        cache.store(key, True, f"log {i}", 0.1, obj)
+        entry = cache.lookup(key)
+        assert entry is not None and entry.ok and entry.object_path.read_bytes() == obj.read_bytes()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(store, range(32)))
+    assert not [p for p in (tmp_path / "cache").rglob(".tmp-*")]  # no torn temporaries left
+    placed = tmp_path / "placed.so"
+    cache.place(cache.lookup(key), placed)
+    assert placed.read_bytes() == obj.read_bytes()
+    failure = cache_key("cpu", "broken")
+    cache.store(failure, False, "kernel.cpp:1: error: x", 0.05)
+    assert cache.lookup(failure) == type(cache.lookup(failure))(False, "kernel.cpp:1: error: x", None, 0.05)
+    assert json.loads(next((tmp_path / "cache").rglob(f"{failure}.json")).read_text())["ok"] is False
+
+
+def test_compile_cache_evicts_least_recently_used_over_budget(tmp_path):
+    cache = CompileCache(tmp_path / "cache", max_bytes=250_000)
+    obj = tmp_path / "k.so"
+    obj.write_bytes(b"x" * 100_000)
+    keys = [cache_key(str(i)) for i in range(4)]
+    import os
+    import time
+    for i, key in enumerate(keys):
+        cache.store(key, True, "", 0.0, obj)
+        meta = next((tmp_path / "cache").rglob(f"{key}.json"))
+        os.utime(meta, (time.time() - 100 + i, time.time() - 100 + i))
+    assert cache.evict() == 2
+    assert [cache.lookup(k) is not None for k in keys] == [False, False, True, True]
