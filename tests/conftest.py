@@ -94,7 +94,10 @@ def tiny_model_dir() -> Path:
     """The bootstrapped tiny model (leap.bootstrap, default config) of the task suite: a
     Hugging Face model directory that both policy backends load. Built once per cache key
     under .leap-cache/bootstrap/ and shared by every test of the session (and later runs);
-    treat it as read-only (copy it to change it)."""
+    treat it as read-only (copy it to change it). LEAP_TINY_MODEL_DIR names a model
+    directory to use instead (one built earlier, or elsewhere)."""
     from leap.bootstrap import bootstrap_model
 
+    if os.environ.get("LEAP_TINY_MODEL_DIR"):
+        return Path(os.environ["LEAP_TINY_MODEL_DIR"]).resolve()
     return bootstrap_model(tasks=task_suite(), cache_dir=BOOTSTRAP_CACHE, progress=False)
