@@ -115,6 +115,7 @@ def compiles(code: str) -> bool:
                               capture_output=True, timeout=60).returncode == 0
 
 
+@pytest.mark.slow  # the first user of tiny_model_dir: a fresh checkout pays the bootstrap (about 2 minutes) here
 @needs_gxx
 def test_the_bootstrapped_model_answers_with_code_some_compiling_some_not(tiny_model_dir):
     manifest = (tiny_model_dir / bootstrap.MANIFEST).read_text()
