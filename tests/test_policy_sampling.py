@@ -3,6 +3,8 @@ draws, the batch KV cache, stop strings and the tokenizer fingerprint."""
 
 from __future__ import annotations
 
+import inspect
+
 import math
 
 import pytest
@@ -116,13 +118,15 @@ def test_batch_cache_decodes_like_separate_sequences():
         return model(input_ids=ids).logits[0, len(prompt) - 1 :]
 
     expected = [alone(p, s) for p, s in zip(prompts, steps)]
+    # transformers renamed `past_key_values` to `cache` in 5.2x; the backend accepts both.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def prefill(prompt):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
         ids = torch.tensor([prompt])
-        out = model(input_ids=ids, position_ids=torch.arange(len(prompt))[None], cache=cache, use_cache=True)
+        out = model(input_ids=ids, position_ids=torch.arange(len(prompt))[None], use_cache=True, **{cache_arg: cache})
         return [(layer.keys, layer.values) for layer in cache.layers], out.logits[0, -1]
 
     batch = BatchCache()
@@ -148,7 +152,8 @@ def test_batch_cache_decodes_like_separate_sequences():
                 break
             tokens = torch.tensor([[steps[s][position[s]]] for s in rows])
             out = model(input_ids=tokens, attention_mask=batch.attention_mask(extra=1),
-                        position_ids=torch.tensor(batch.lengths)[:, None], cache=batch.cache(), use_cache=True)
+                        position_ids=torch.tensor(batch.lengths)[:, None], use_cache=True,
+                        **{cache_arg: batch.cache()})
             batch.advance()
             for r, s in enumerate(rows):
                 position[s] += 1
