@@ -61,3 +61,23 @@ def step_metrics(trajectories: Sequence[Sequence[Outcome]], expanded: Sequence[b
     values["dcp/expanded_share"] = expanded_share(expanded)
     values["sandbox/evaluations"] = float(sum(len(outcomes) for outcomes in trajectories))
     return values
+
+
+def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
+    """The task order of one pass over the training split: a permutation fixed by (seed, epoch)."""
+    import random
+
+    order = list(range(count))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def draw_tasks(task_ids: Sequence[str], batch: int, cursor: int, seed: int) -> tuple[list[str], int]:
+    """The next `batch` tasks from position `cursor` of the seeded epoch-by-epoch order, and the new cursor.
+    The cursor is one integer, so a checkpoint that stores it resumes the same sequence of batches."""
+    count = len(task_ids)
+    drawn = []
+    for position in range(cursor, cursor + batch):
+        epoch, index = divmod(position, count)
+        drawn.append(task_ids[epoch_order(count, seed, epoch)[index]])
+    return drawn, cursor + batch

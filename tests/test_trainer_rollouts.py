@@ -36,3 +36,16 @@ def test_next_turn_appends_answer_then_feedback():
     assert dialogue[0] == history[0] and len(dialogue) == 3
     assert dialogue[1] == prompts.assistant("```c\nx\n```") and dialogue[2] == prompts.user("does not compile")
     assert len(history) == 1
+
+
+def test_draw_tasks_resumes_from_the_cursor_and_covers_each_epoch():
+    from svc_trainer.rollouts import draw_tasks
+
+    ids = [f"t{i}" for i in range(5)]
+    first, cursor = draw_tasks(ids, 3, 0, seed=7)
+    second, cursor = draw_tasks(ids, 3, cursor, seed=7)
+    assert cursor == 6
+    assert sorted(first + second[:2]) == ids  # one full epoch before any repeat
+    whole, _ = draw_tasks(ids, 6, 0, seed=7)
+    assert whole == first + second  # resuming at the cursor gives the same batches
+    assert draw_tasks(ids, 5, 0, seed=8)[0] != draw_tasks(ids, 5, 0, seed=7)[0]  # another seed, another order
