@@ -1,0 +1,60 @@
+"""The compose files without a Docker engine: valid against the Compose Specification, and
+every service's command, port and health check agrees with what `leap serve` accepts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from leap.commands import SERVICE_MODULES, service_spec
+from leap.commands.serve import settings_parser
+from leap.runtime.config import DEFAULT_PORTS
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILES = sorted((ROOT / "compose").glob("compose*.yaml"))
+SCHEMA = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_file_follows_the_compose_specification(path):
+    jsonschema.validate(load(path), SCHEMA)
+
+
+def test_schema_rejects_a_broken_file():
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"services": {"x": {"ports": {"not": "a list"}}}}, SCHEMA)
+
+
+MAIN = load(ROOT / "compose" / "compose.yaml")
+
+
+@pytest.mark.parametrize("name", list(SERVICE_MODULES))
+def test_service_command_port_and_health_match_leap_serve(name):
+    service = MAIN["services"][name]
+    command = service["command"]
+    assert command[:2] == ["serve", name]
+    args = settings_parser(service_spec(name)).parse_args(command[2:])  # SystemExit on an unknown flag
+    port = int(args.port)
+    assert port == DEFAULT_PORTS[name]
+    assert any(str(p).endswith(f":{port}") for p in service["ports"])
+    assert service["healthcheck"]["test"] == ["CMD", "leap", "health", f"127.0.0.1:{port}"]
+    fields = {f.name for f in __import__("dataclasses").fields(service_spec(name).config_class)}
+    for key in service.get("environment", {}):
+        prefix = f"LEAP_{name.upper()}_"
+        setting = key[len(prefix):] if key.startswith(prefix) else key[len("LEAP_"):]
+        assert setting.lower() in fields, f"{name}: {key} is not a setting of leap serve {name}"
+
+
+def test_every_service_but_the_core_waits_for_healthy_dependencies():
+    for name in ("trainer", "distill"):
+        deps = MAIN["services"][name]["depends_on"]
+        assert {"policy", "sandbox", "reward"} <= set(deps)
+        assert all(d["condition"] == "service_healthy" for d in deps.values())
