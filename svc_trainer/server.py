@@ -45,6 +45,14 @@ class TrainerConfig(ServerConfig):
     tensorboard: bool = option(True, "Also write metrics as TensorBoard events (besides events.jsonl).")
 
 
+def job_is_built() -> bool:
+    """Whether the LEAP loop's module exists; until it does, StartRun refuses valid configs
+    with UNIMPLEMENTED instead of starting a run that could only fail."""
+    import importlib.util
+
+    return importlib.util.find_spec("svc_trainer.job") is not None
+
+
 class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
     """The GRPO learner, the LEAP loop and RGRPO teacher rounds, as runs."""
 
@@ -66,6 +74,9 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
                              "(issue #7); leave rgrpo unset for a plain run", "RGRPO_NOT_BUILT")
         filled = run_config.with_defaults(config, self.default_services())
         filled = await preflight(filled, timeout=self.settings.preflight_timeout_seconds)
+        if not job_is_built():
+            raise error_info(grpc.StatusCode.UNIMPLEMENTED, "the LEAP training loop (svc_trainer/job.py, issue #6) is "
+                             "not built yet: the config was checked and is valid, but no run can train", "LEAP_LOOP_NOT_BUILT")
         return filled, filled.steps
 
     def make_job(self, record: RunRecord):
