@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import inspect
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from leap.runtime.logging import get_logger
 from leap.tokenization import tokenizer_fingerprint
 from svc_policy import sampling
 from svc_policy.engine import Engine, FinishReason, Job, Limits, ModelMeta, Result, Sample, TensorSpec
-from svc_policy.kv import BatchCache, supports_batch_cache
+from svc_policy.kv import BatchCache, cache_keyword, supports_batch_cache
 from svc_policy.text import StopStrings, completion_text, eos_token_ids
 
 log = get_logger("leap.policy.hf")
@@ -108,7 +107,7 @@ class HFEngine(Engine):
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         if not supports_batch_cache(layer_types):
             raise ValueError(f"the hf backend batches full-attention models only; this one has layers {sorted(set(layer_types))}")
-        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._cache_arg = cache_keyword(self.model)
         self.eos_ids = frozenset(eos_token_ids(self.tokenizer, self.model.config, self.model.generation_config))
         self.meta = ModelMeta(
             num_parameters=sum(p.numel() for p in self.model.parameters()),

@@ -13,10 +13,17 @@ DynamicLayer does).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model.forward` takes its KV cache under: transformers renamed
+    `past_key_values` to `cache` in 5.2x, and both versions are in use."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class GrowableLayer(DynamicLayer):

@@ -3,8 +3,6 @@ draws, the batch KV cache, stop strings and the tokenizer fingerprint."""
 
 from __future__ import annotations
 
-import inspect
-
 import math
 
 import pytest
@@ -105,7 +103,7 @@ def test_batch_cache_decodes_like_separate_sequences():
     """Rows of different lengths joining and leaving a batch compute what each computes alone."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from svc_policy.kv import BatchCache
+    from svc_policy.kv import BatchCache, cache_keyword
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -118,8 +116,7 @@ def test_batch_cache_decodes_like_separate_sequences():
         return model(input_ids=ids).logits[0, len(prompt) - 1 :]
 
     expected = [alone(p, s) for p, s in zip(prompts, steps)]
-    # transformers renamed `past_key_values` to `cache` in 5.2x; the backend accepts both.
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_arg = cache_keyword(model)
 
     def prefill(prompt):
         from transformers import DynamicCache
