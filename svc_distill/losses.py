@@ -54,11 +54,9 @@ def tu_opd_loss(teacher_logps, student_logps, mask, quality, config: TuOpdConfig
     weights = teacher_weights(quality, config)
     kept = weights.sum(dim=0) > 0
     skipped = int((~kept).sum())
-    if config.crd:
-        reward = target_logps(teacher_logps, quality, weights, config) - student_logps.detach()
-    else:
-        # -sum_k w_k sum_t a_k,t s_t with a_k,t = l_k,t - s_t equals the consensus form
-        reward = (weights[:, :, None] * (teacher_logps - student_logps.detach()[None])).sum(dim=0)
+    # Without CRD the target is the consensus, and sum_k w_k (l_k,t - s_t) = c_t - s_t since the
+    # weights of a kept example sum to 1: one expression covers both.
+    reward = target_logps(teacher_logps, quality, weights, config) - student_logps.detach()
     token_mask = mask * kept[:, None].to(mask.dtype)
     count = token_mask.sum()
     if count == 0:
