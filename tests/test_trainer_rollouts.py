@@ -1,6 +1,8 @@
+"""Pure LEAP-step helpers against hand-computed values."""
+
 from leap import prompts
-from svc_trainer.rollouts import (Outcome, correct_by_turn, expanded_share, mean_speedup_of_correct, next_turn,
-                                  pass_at_1_by_turn, step_metrics)
+from svc_trainer.rollouts import (Outcome, correct_by_turn, draw_tasks, expanded_share, mean_speedup_of_correct,
+                                  next_turn, pass_at_1_by_turn, step_metrics)
 
 WRONG, RIGHT = Outcome(False), Outcome(True, 2.0)
 
@@ -39,8 +41,6 @@ def test_next_turn_appends_answer_then_feedback():
 
 
 def test_draw_tasks_resumes_from_the_cursor_and_covers_each_epoch():
-    from svc_trainer.rollouts import draw_tasks
-
     ids = [f"t{i}" for i in range(5)]
     first, cursor = draw_tasks(ids, 3, 0, seed=7)
     second, cursor = draw_tasks(ids, 3, cursor, seed=7)

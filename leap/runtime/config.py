@@ -92,6 +92,13 @@ def env_name(service: str, field_name: str) -> str:
     return f"LEAP_{service.upper()}_{field_name.upper()}"
 
 
+def env_names(cls: type, service: str, field_name: str) -> list[str]:
+    """The environment variables a setting is read from, weakest first: server settings also
+    take the suite-wide `LEAP_<SETTING>` (one LEAP_AUTH_TOKEN for every service)."""
+    generic = [f"LEAP_{field_name.upper()}"] if field_name in {f.name for f in fields_of(ServerConfig)} else []
+    return [*generic, env_name(service, field_name)]
+
+
 def load(
     cls: type[T],
     service: str,
@@ -110,13 +117,10 @@ def load(
         if unknown:
             raise ValueError(f"{config_file}: unknown setting(s) for {service}: {', '.join(unknown)}")
         values.update(table)
-    server_fields = {f.name for f in fields_of(ServerConfig)}
     for name in known:
-        generic = f"LEAP_{name.upper()}"
-        if name in server_fields and generic in env:
-            values[name] = env[generic]
-        if env_name(service, name) in env:
-            values[name] = env[env_name(service, name)]
+        for variable in env_names(cls, service, name):  # the service's own name last: it wins
+            if variable in env:
+                values[name] = env[variable]
     for name, value in (overrides or {}).items():
         if value is not None:
             values[name] = value
