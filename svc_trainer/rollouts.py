@@ -8,7 +8,6 @@ job (job.py, not built yet) stays a thin driver over gRPC.
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Sequence
 
 from leap import prompts
@@ -62,21 +61,3 @@ def step_metrics(trajectories: Sequence[Sequence[Outcome]], expanded: Sequence[b
     values["dcp/expanded_share"] = expanded_share(expanded)
     values["sandbox/evaluations"] = float(sum(len(outcomes) for outcomes in trajectories))
     return values
-
-
-def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
-    """The task order of one pass over the training split: a permutation fixed by (seed, epoch)."""
-    order = list(range(count))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return order
-
-
-def draw_tasks(task_ids: Sequence[str], batch: int, cursor: int, seed: int) -> tuple[list[str], int]:
-    """The next `batch` tasks from position `cursor` of the seeded epoch-by-epoch order, and the new cursor.
-    The cursor is one integer, so a checkpoint that stores it resumes the same sequence of batches."""
-    count = len(task_ids)
-    first_epoch, last_epoch = cursor // count, (cursor + batch - 1) // count
-    # each epoch's permutation once, not once per drawn task
-    order = [i for epoch in range(first_epoch, last_epoch + 1) for i in epoch_order(count, seed, epoch)]
-    start = cursor - first_epoch * count
-    return [task_ids[i] for i in order[start:start + batch]], cursor + batch

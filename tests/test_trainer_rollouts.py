@@ -1,7 +1,8 @@
 """Pure LEAP-step helpers against hand-computed values."""
 
 from leap import prompts
-from svc_trainer.rollouts import (Outcome, correct_by_turn, draw_tasks, expanded_share, mean_speedup_of_correct,
+from leap.learning.data import draw_tasks
+from svc_trainer.rollouts import (Outcome, correct_by_turn, expanded_share, mean_speedup_of_correct,
                                   next_turn, pass_at_1_by_turn, step_metrics)
 
 WRONG, RIGHT = Outcome(False), Outcome(True, 2.0)

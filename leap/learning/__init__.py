@@ -11,7 +11,8 @@
 - `MetricsLog`, `plot_metrics`: JSONL, TensorBoard and PNG curves (metrics.py);
 - `RunRegistry`, `RunRecord`, `RunContext`: runs as persisted resources (registry.py), and
   `RunApi`, the run RPCs of a learner service over a registry (run_api.py);
-- `combine_stats`: loss statistics over micro-batches and ranks (stats.py).
+- `combine_stats`: loss statistics over micro-batches and ranks (stats.py);
+- `draw_tasks`: the seeded, cursor-addressed order of training tasks (data.py).
 
 This package never imports a service package (`svc_*`).
 """
