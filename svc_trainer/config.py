@@ -77,6 +77,7 @@ def with_defaults(config: trainer_pb2.RunConfig, services: trainer_pb2.ServiceAd
     out.rank.method = out.rank.method or reward_pb2.RewardMethod.REWARD_METHOD_TOURNAMENT
     out.checkpoint_every = out.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
     out.eval_samples = out.eval_samples or DEFAULT_EVAL_SAMPLES
+    out.eval_turns = out.eval_turns or (DEFAULT_MAX_TURNS if out.mode == TrainMode.TRAIN_MODE_SINGLE else out.max_turns)
     return out
 
 
@@ -131,6 +132,7 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     check(config.checkpoint_every >= 0, "checkpoint_every", "must not be negative (0 means the default, 10)")
     check(config.eval_every >= 0, "eval_every", "must not be negative (0 evaluates only before and after)")
     check(config.eval_samples >= 0, "eval_samples", "must be at least 1 (0 means the default, 4)")
+    check(config.eval_turns >= 0, "eval_turns", "must be at least 1 (0 means max_turns, or 3 in single-turn mode)")
     check(len(set(config.train_tasks)) == len(config.train_tasks), "train_tasks", "lists a task twice")
     check(not set(config.train_tasks) & set(config.eval_tasks), "eval_tasks",
           "shares tasks with train_tasks: held-out tasks must not be trained on")

@@ -18,9 +18,11 @@ from leap.runtime import Registration, ServerConfig, Service, ServiceSpec, local
 from leap.runtime.errors import error_info
 from leap.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from svc_trainer import config as run_config
+from svc_trainer.job import JobSettings, TrainingJob
 from svc_trainer.preflight import preflight
 
 SERVICE_NAME = "leap.trainer.v1.TrainerService"
+ROLLOUT_LOGS = ("off", "text", "tokens")
 
 
 @dataclasses.dataclass
@@ -43,14 +45,13 @@ class TrainerConfig(ServerConfig):
     shutdown_wait_seconds: float = option(120.0, "On shutdown, how long running jobs get to finish their step and "
                                           "checkpoint (they resume at the next start).")
     tensorboard: bool = option(True, "Also write metrics as TensorBoard events (besides events.jsonl).")
+    rollout_log: str = option("text", "Per step, write every trajectory to rollouts/step-N.jsonl in the run's directory: "
+                              "off, text (answers, verdicts, rewards) or tokens (also token ids and sampler logprobs).")
 
-
-def job_is_built() -> bool:
-    """Whether the LEAP loop's module exists; until it does, StartRun refuses valid configs
-    with UNIMPLEMENTED instead of starting a run that could only fail."""
-    import importlib.util
-
-    return importlib.util.find_spec("svc_trainer.job") is not None
+    def __post_init__(self) -> None:
+        # Checked when the settings are loaded, so a bad value stops `leap serve` with one line.
+        if self.rollout_log not in ROLLOUT_LOGS:
+            raise ValueError(f"rollout_log: must be one of {', '.join(ROLLOUT_LOGS)}, got {self.rollout_log!r}")
 
 
 class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
@@ -74,15 +75,13 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
                              "(issue #7); leave rgrpo unset for a plain run", "RGRPO_NOT_BUILT")
         filled = run_config.with_defaults(config, self.default_services())
         filled = await preflight(filled, timeout=self.settings.preflight_timeout_seconds)
-        if not job_is_built():
-            raise error_info(grpc.StatusCode.UNIMPLEMENTED, "the LEAP training loop (svc_trainer/job.py, issue #6) is "
-                             "not built yet: the config was checked and is valid, but no run can train", "LEAP_LOOP_NOT_BUILT")
         return filled, filled.steps
 
-    def make_job(self, record: RunRecord):
-        from svc_trainer.job import TrainingJob
-
-        return TrainingJob(self.config_of(record), self.settings)
+    def make_job(self, record: RunRecord) -> TrainingJob:
+        s = self.settings
+        return TrainingJob(self.config_of(record), JobSettings(device=s.device, service_retry_seconds=s.service_retry_seconds,
+                                                               keep_checkpoints=s.keep_checkpoints,
+                                                               rollout_log=s.rollout_log))
 
     async def start(self) -> None:
         await asyncio.to_thread(self.registry.open)

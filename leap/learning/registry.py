@@ -139,6 +139,10 @@ class RunContext:
                  extra: dict[str, Any] | None = None) -> None:
         self.registry._progress(self.run_id, step=step, total_steps=total_steps, round=round, extra=extra)
 
+    def events(self, from_step: int = 0) -> list[dict[str, Any]]:
+        """The run's recorded metric events (for plots and reports)."""
+        return self.registry.metrics_log(self.run_id).read(from_step)
+
     def latest_checkpoint(self) -> ckpt.CheckpointInfo | None:
         return ckpt.latest_checkpoint(self.checkpoint_dir)
 

@@ -224,6 +224,7 @@ class RunConfig(_message.Message):
     RGRPO_FIELD_NUMBER: _builtins.int
     SANDBOX_SIZE_FIELD_NUMBER: _builtins.int
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
+    EVAL_TURNS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Local Hugging Face model directory of the initial policy. Required."""
     policy_model: _builtins.str
@@ -254,6 +255,11 @@ class RunConfig(_message.Message):
     """Size preset of sandbox evaluations. Default: the sandbox's."""
     display_name: _builtins.str
     """Human-readable name of the run."""
+    eval_turns: _builtins.int
+    """Turns per held-out sample: each unsolved sample gets debugging turns with the verdict's
+    feedback, up to this many in all. Default: max_turns, and 3 in single-turn mode, so runs
+    of every mode are measured the same way.
+    """
     @_builtins.property
     def services(self) -> Global___ServiceAddresses:
         """Where the other services are."""
@@ -317,10 +323,11 @@ class RunConfig(_message.Message):
         rgrpo: Global___RgrpoConfig | None = ...,
         sandbox_size: _builtins.str = ...,
         display_name: _builtins.str = ...,
+        eval_turns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gate", b"gate", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "gate", b"gate", "group_size", b"group_size", "loss", b"loss", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_turns", b"eval_turns", "gate", b"gate", "group_size", b"group_size", "loss", b"loss", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

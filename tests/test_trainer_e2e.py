@@ -1,0 +1,210 @@
+"""The LEAP loop end to end: real `leap serve` processes for policy, sandbox, reward and
+trainer on loopback, the bootstrapped tiny model, real g++ in the sandbox, and the run API
+over real gRPC. Steps are few and small (a handful of rollouts) so the file runs in about
+two minutes on two cores."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leap.clients import connect
+from leap.common.v1 import common_pb2
+from leap.learning.registry import FAILED, SUCCEEDED
+from leap.policy.v1 import policy_pb2
+from leap.reward.v1 import reward_pb2
+from leap.trainer.v1 import trainer_pb2
+from tests.conftest import free_port, leap_serve
+
+pytestmark = pytest.mark.slow
+
+# Tasks the tiny model solves some of the time (so groups disagree and advantages are not all 0).
+TRAIN_TASKS = ["relu", "sigmoid", "sum_rows", "dot"]
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir, tmp_path_factory):
+    """policy, sandbox and reward for the whole module (each run pushes its own weights first)."""
+    work = tmp_path_factory.mktemp("services")
+    with contextlib.ExitStack() as stack:
+        policy, _ = stack.enter_context(leap_serve("policy", "--models", f"policy={tiny_model_dir}"))
+        sandbox, _ = stack.enter_context(leap_serve("sandbox", "--workers", "2", "--cache-dir", str(work / "cache")))
+        reward, _ = stack.enter_context(leap_serve("reward", "--history-path", ""))
+        yield trainer_pb2.ServiceAddresses(policy=policy, sandbox=sandbox, reward=reward)
+
+
+def trainer_flags(runs: Path, services: trainer_pb2.ServiceAddresses, *extra: str) -> list[str]:
+    return ["--runs-dir", str(runs), "--policy-address", services.policy, "--sandbox-address", services.sandbox,
+            "--reward-address", services.reward, "--rollout-log", "tokens", "--tensorboard", "false", *extra]
+
+
+def small_config(model_dir: Path, **overrides) -> trainer_pb2.RunConfig:
+    config = trainer_pb2.RunConfig(
+        model_path=str(model_dir), steps=1, tasks_per_step=2, group_size=4, max_turns=2, train_tasks=TRAIN_TASKS,
+        eval_tasks=["silu"], eval_samples=1, seed=3, sampling=common_pb2.RolloutSampling(max_new_tokens=256),
+        optimizer=common_pb2.OptimizerConfig(learning_rate=1e-3))
+    for name, value in overrides.items():
+        field = getattr(config, name)
+        if hasattr(field, "CopyFrom"):
+            field.CopyFrom(value)
+        else:
+            setattr(config, name, value)
+    return config
+
+
+def start(trainer, config: trainer_pb2.RunConfig) -> trainer_pb2.Run:
+    return trainer.StartRun(trainer_pb2.StartRunRequest(request_id=uuid.uuid4().hex, config=config), timeout=60).run
+
+
+def follow(trainer, run_id: str) -> list[common_pb2.MetricEvent]:
+    """Every event of the run until it ends (the stream closes on a terminal state)."""
+    request = trainer_pb2.StreamMetricsRequest(run_id=run_id)
+    return [reply.event for reply in trainer.StreamMetrics(request, timeout=600)]
+
+
+def train_steps(events) -> list[int]:
+    return [e.step for e in events if e.kind == "train"]
+
+
+def serving_version(policy_address: str) -> int:
+    stub = connect("policy", policy_address, aio=False)
+    try:
+        return stub.GetModel(policy_pb2.GetModelRequest(name="policy")).model.version
+    finally:
+        stub.channel.close()
+
+
+def wait_for(predicate, timeout: float = 300.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_one_step_changes_the_weights_advances_the_version_and_raises_positively_advantaged_tokens(
+        services, tiny_model_dir, tmp_path):
+    before = serving_version(services.policy)
+    with leap_serve("trainer", *trainer_flags(tmp_path / "runs", services)) as (address, _):
+        trainer = connect("trainer", address, aio=False)
+        run = start(trainer, small_config(tiny_model_dir))
+        events = follow(trainer, run.run_id)
+        done = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
+        checkpoints = trainer.ListCheckpoints(trainer_pb2.ListCheckpointsRequest(run_id=run.run_id)).checkpoints
+        listed = [r.run_id for r in trainer.ListRuns(trainer_pb2.ListRunsRequest()).runs]
+    assert done.state == SUCCEEDED, done.error
+    assert done.step == 1 and train_steps(events) == [1] and listed == [run.run_id]
+    assert [c.step for c in checkpoints] == [1]
+    assert [e.step for e in events if e.kind == "eval"] == [0, 1]  # held-out before and after
+    train = next(e for e in events if e.kind == "train").values
+    assert train["sandbox/evaluations"] >= 8 and "pass_at_1/turn_2" in train and "time/learn_s" in train
+    after = serving_version(services.policy)
+    assert after >= before + 2  # the run's starting weights, then the step's update
+
+    # Score the step's own trajectories under the new weights: tokens with a positive
+    # advantage became more likely, tokens with a negative one less.
+    records = [json.loads(line) for line in (Path(done.output_dir) / "rollouts" / "step-00000001.jsonl").open()]
+    policy = connect("policy", services.policy, aio=False)
+    items = [policy_pb2.ScoreItem(prompt_token_ids=r["token_ids"][:1], completion_token_ids=r["token_ids"][1:])
+             for r in records]
+    scored = policy.Score(policy_pb2.ScoreRequest(model="policy", items=items, temperature=1.0), timeout=120)
+    policy.channel.close()
+    moved = {+1: [], -1: []}
+    for record, result in zip(records, scored.results):
+        new = [0.0, *result.logprobs]
+        for position, turn in enumerate(record["owner"]):
+            advantage = record["turn_advantages"][turn] if turn >= 0 else 0.0
+            if advantage:
+                moved[1 if advantage > 0 else -1].append(new[position] - record["sampler_logprobs"][position])
+    assert moved[+1] and moved[-1], "the step's groups all tied: no advantage to learn from"
+    assert sum(moved[+1]) / len(moved[+1]) > 0 > sum(moved[-1]) / len(moved[-1])
+
+
+def checkpoint_state(run_dir: Path, step: int) -> tuple[dict, dict]:
+    path = run_dir / "checkpoints" / f"step-{step:08d}"
+    weights = load_file(path / "model" / "model.safetensors")
+    optimizer = torch.load(path / "optimizer.pt", weights_only=False)
+    return weights, optimizer
+
+
+def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    for name in a[0]:
+        torch.testing.assert_close(a[0][name], b[0][name], rtol=0, atol=1e-6, msg=f"weights {name}")
+    for name, state in a[1]["state"].items():
+        other = b[1]["state"][name]
+        assert float(state["step"]) == float(other["step"]), name
+        torch.testing.assert_close(state["exp_avg"], other["exp_avg"], rtol=0, atol=1e-7, msg=f"exp_avg {name}")
+        torch.testing.assert_close(state["exp_avg_sq"], other["exp_avg_sq"], rtol=0, atol=1e-9, msg=f"exp_avg_sq {name}")
+
+
+def resumable_config(model_dir: Path) -> trainer_pb2.RunConfig:
+    """Two steps of one group, checkpointing every step. Speed cannot decide a rank (a huge
+    margin), so timing noise cannot make two runs' advantages differ."""
+    return small_config(model_dir, steps=2, tasks_per_step=1, group_size=4, checkpoint_every=1,
+                        rank=reward_pb2.RankConfig(speedup_margin=1e6))
+
+
+def test_a_killed_trainer_resumes_with_the_same_step_counter_and_optimizer_state(services, tiny_model_dir, tmp_path):
+    config = resumable_config(tiny_model_dir)
+    with leap_serve("trainer", *trainer_flags(tmp_path / "whole", services)) as (address, _):
+        trainer = connect("trainer", address, aio=False)
+        whole = start(trainer, config)
+        follow(trainer, whole.run_id)
+    runs = tmp_path / "killed"
+    with leap_serve("trainer", *trainer_flags(runs, services)) as (address, process):
+        trainer = connect("trainer", address, aio=False)
+        killed = start(trainer, config)
+        first = Path(killed.output_dir) / "checkpoints" / "step-00000001"
+        wait_for(first.is_dir, what="the checkpoint of step 1")
+        os.killpg(process.pid, signal.SIGKILL)  # no shutdown, no last checkpoint: as a crash
+        process.wait()
+    with leap_serve("trainer", *trainer_flags(runs, services)) as (address, _):  # auto_resume picks the run up
+        trainer = connect("trainer", address, aio=False)
+        events = follow(trainer, killed.run_id)
+        resumed = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=killed.run_id)).run
+    assert resumed.state == SUCCEEDED and resumed.step == 2, resumed.error
+    assert train_steps(events) == [1, 2]  # the log was rewound to the checkpoint: no step twice
+    a = [json.loads(x)["token_ids"] for x in (Path(whole.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
+    b = [json.loads(x)["token_ids"] for x in (Path(resumed.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
+    assert a == b, "the resumed run sampled other rollouts at step 2"
+    assert_same_state(checkpoint_state(Path(whole.output_dir), 2), checkpoint_state(Path(resumed.output_dir), 2))
+
+
+def test_a_sandbox_that_goes_away_fails_the_run_with_the_cause_and_resume_finishes_it(services, tiny_model_dir,
+                                                                                       tmp_path):
+    port = free_port()
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    sandbox = contextlib.ExitStack()
+    address, process = sandbox.enter_context(leap_serve("sandbox", *cache, port=port))
+    own = trainer_pb2.ServiceAddresses(policy=services.policy, sandbox=address, reward=services.reward)
+    flags = trainer_flags(tmp_path / "runs", own, "--service-retry-seconds", "2")
+    with leap_serve("trainer", *flags) as (trainer_address, _):
+        trainer = connect("trainer", trainer_address, aio=False)
+        run = start(trainer, small_config(tiny_model_dir, steps=2, tasks_per_step=1, checkpoint_every=10))
+        stream = trainer.StreamMetrics(trainer_pb2.StreamMetricsRequest(run_id=run.run_id), timeout=600)
+        next(r for r in stream if r.event.kind == "train")  # step 1 is done
+        os.killpg(process.pid, signal.SIGKILL)
+        sandbox.close()
+        failed = [r.event for r in stream][-1]
+        record = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
+        assert failed.state == FAILED and record.state == FAILED
+        assert f"sandbox service at {address} did not answer" in record.error
+        checkpoints = trainer.ListCheckpoints(trainer_pb2.ListCheckpointsRequest(run_id=run.run_id)).checkpoints
+        assert [c.step for c in checkpoints] == [1]  # saved on the way down: step 1 is not lost
+
+        with leap_serve("sandbox", *cache, port=port):  # back at the same address
+            trainer.ResumeRun(trainer_pb2.ResumeRunRequest(run_id=run.run_id))
+            events = follow(trainer, run.run_id)
+        done = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
+    assert done.state == SUCCEEDED and done.step == 2, done.error
+    assert train_steps(events) == [1, 2]
