@@ -144,10 +144,15 @@ def test_rewards_that_do_not_sum_to_zero_fail_the_reward_suite():
 
 
 class RunsEverything(trainer_pb2_grpc.TrainerServiceServicer):
-    """Answers every run id with a run, and names the wrong field when StartRun lacks one."""
+    """Answers every run id with a run, names the wrong field when StartRun lacks one, and
+    ignores page_size."""
 
     async def GetRun(self, request, context):
         return trainer_pb2.GetRunResponse(run=trainer_pb2.Run(run_id=request.run_id))
+
+    async def ListRuns(self, request, context):
+        runs = [trainer_pb2.Run(run_id=f"run-{i}") for i in range(2)]
+        return trainer_pb2.ListRunsResponse(runs=runs, next_page_token="more")
 
     async def StartRun(self, request, context):
         raise invalid_argument("config.steps", "must be at least 1")
@@ -159,6 +164,8 @@ def test_a_run_service_that_invents_runs_fails_the_trainer_suite():
     assert results["GetRun of an unknown run is NOT_FOUND"] == (Outcome.FAIL, "answered OK (NOT_FOUND expected)")
     outcome, why = results["StartRun without request_id and config is INVALID_ARGUMENT naming both"]
     assert outcome is Outcome.FAIL and "names ['config.steps'], not request_id" in why
+    outcome, why = results["ListRuns pages with next_page_token, no run twice"]
+    assert outcome is Outcome.FAIL and why == "a page of page_size 1 held 2 runs"
 
 
 def test_a_sandbox_that_reports_failing_kernels_as_errors_fails_the_sandbox_suite(tmp_path):

@@ -82,6 +82,32 @@ class Suite:
             raise ValueError(f"{self.full_name} has no RPC {rpc}")
         self.checks.append(Check(name, rpc, body))
 
+    def add_lookup(self, rpc: str, request_class: type, field: str, noun: str, **extra: Any) -> None:
+        """The lookup rule of the contract conventions, as two checks: an unknown `noun` is
+        NOT_FOUND, and a request without `field` is INVALID_ARGUMENT naming it. `extra`
+        fields go into both requests."""
+        def unknown(ctx: Context) -> str:
+            return ctx.refused(rpc, request_class(**{field: ctx.tag}, **extra), grpc.StatusCode.NOT_FOUND)
+
+        def missing(ctx: Context) -> str:
+            return ctx.refused(rpc, request_class(**extra), grpc.StatusCode.INVALID_ARGUMENT, field)
+
+        self.add(f"{rpc} of an unknown {noun} is NOT_FOUND", rpc, unknown)
+        self.add(f"{rpc} without {field} is INVALID_ARGUMENT", rpc, missing)
+
+    def add_paging_rules(self, rpc: str, request_class: type) -> None:
+        """The paging rule of the contract conventions, as two checks: a negative page_size and
+        a page_token the service did not issue are INVALID_ARGUMENT naming the field."""
+        def negative_size(ctx: Context) -> str:
+            return ctx.refused(rpc, request_class(page_size=-1), grpc.StatusCode.INVALID_ARGUMENT, "page_size")
+
+        def foreign_token(ctx: Context) -> str:
+            request = request_class(page_token=f"%%{ctx.tag}%%")
+            return ctx.refused(rpc, request, grpc.StatusCode.INVALID_ARGUMENT, "page_token")
+
+        self.add(f"{rpc} with a negative page_size is INVALID_ARGUMENT", rpc, negative_size)
+        self.add(f"{rpc} with a page_token it did not issue is INVALID_ARGUMENT", rpc, foreign_token)
+
     def check(self, name: str, rpc: str = "") -> Callable:
         """Decorator form of `add`."""
         def register(body: Callable[[Context], str]) -> Callable[[Context], str]:

@@ -72,14 +72,7 @@ def models_described(ctx: Context) -> str:
     return ", ".join(m.name for m in listed)
 
 
-@SUITE.check("GetModel of an unknown model is NOT_FOUND", "GetModel")
-def get_model_unknown(ctx: Context) -> str:
-    return ctx.refused("GetModel", policy_pb2.GetModelRequest(name=ctx.tag), grpc.StatusCode.NOT_FOUND)
-
-
-@SUITE.check("GetModel without a name is INVALID_ARGUMENT", "GetModel")
-def get_model_no_name(ctx: Context) -> str:
-    return ctx.refused("GetModel", policy_pb2.GetModelRequest(), grpc.StatusCode.INVALID_ARGUMENT, "name")
+SUITE.add_lookup("GetModel", policy_pb2.GetModelRequest, "name", "model")
 
 
 @SUITE.check("Generate n=2: completions in (prompt, sample) order, one logprob per token id", "Generate")

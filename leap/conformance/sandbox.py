@@ -106,16 +106,7 @@ def list_tasks_pages(ctx: Context) -> str:
     return f"{len(ids)} tasks in {len(sizes)} pages of 2"
 
 
-@SUITE.check("ListTasks with a negative page_size is INVALID_ARGUMENT", "ListTasks")
-def list_tasks_negative_page_size(ctx: Context) -> str:
-    return ctx.refused("ListTasks", sandbox_pb2.ListTasksRequest(page_size=-1), grpc.StatusCode.INVALID_ARGUMENT,
-                       "page_size")
-
-
-@SUITE.check("ListTasks with a page_token it did not issue is INVALID_ARGUMENT", "ListTasks")
-def list_tasks_bad_token(ctx: Context) -> str:
-    request = sandbox_pb2.ListTasksRequest(page_token=f"%%{ctx.tag}%%")
-    return ctx.refused("ListTasks", request, grpc.StatusCode.INVALID_ARGUMENT, "page_token")
+SUITE.add_paging_rules("ListTasks", sandbox_pb2.ListTasksRequest)
 
 
 @SUITE.check("GetTask returns the entry point, and the examples with their kinds in the full view", "GetTask")
@@ -134,14 +125,7 @@ def get_task_describes(ctx: Context) -> str:
     return f"{task_id}: {full.entry_point.name}, {len(full.examples)} examples"
 
 
-@SUITE.check("GetTask of an unknown task is NOT_FOUND", "GetTask")
-def get_task_unknown(ctx: Context) -> str:
-    return ctx.refused("GetTask", sandbox_pb2.GetTaskRequest(task_id=ctx.tag), grpc.StatusCode.NOT_FOUND)
-
-
-@SUITE.check("GetTask without task_id is INVALID_ARGUMENT", "GetTask")
-def get_task_no_id(ctx: Context) -> str:
-    return ctx.refused("GetTask", sandbox_pb2.GetTaskRequest(), grpc.StatusCode.INVALID_ARGUMENT, "task_id")
+SUITE.add_lookup("GetTask", sandbox_pb2.GetTaskRequest, "task_id", "task")
 
 
 @SUITE.check("a task's own solution evaluates to STAGE_PASSED", "Evaluate")
