@@ -92,6 +92,17 @@ def test_command_exits_one_when_a_check_fails(own_services, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_auth_token_reaches_every_call(monkeypatch):
+    from svc_reward.server import SPEC, RewardConfig
+
+    monkeypatch.delenv("LEAP_AUTH_TOKEN", raising=False)
+    config = RewardConfig(port=free_port(), history_path="", auth_token="s3cret", drain_seconds=0.0)
+    with BackgroundServer(SPEC.build(config), config) as server:
+        without_token = failures(check_service("reward", server.address))
+        assert main(["conformance", "reward", server.address, "--auth-token", "s3cret"]) == 0
+    assert without_token and all(r.why.startswith("UNAUTHENTICATED") for r in without_token)
+
+
 def test_unknown_service_is_one_friendly_line(capsys):
     assert main(["conformance", "scheduler", "127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip()
