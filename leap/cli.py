@@ -9,7 +9,7 @@ import sys
 
 from leap import __version__
 
-COMMANDS = ["serve", "up", "health", "bootstrap-model"]
+COMMANDS = ["serve", "up", "health", "conformance", "bootstrap-model"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,6 +69,18 @@ def leap_serve(service: str, *args: str, port: int | None = None, timeout: float
             log.close()
 
 
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    """Poll `predicate` until it returns something true, and return that; fail after
+    `timeout` seconds (a bound on waiting, not a speed assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 @pytest.fixture
 def port() -> int:
     return free_port()

@@ -4,6 +4,7 @@ every service's command, port and health check agrees with what `leap serve` acc
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -36,6 +37,11 @@ def test_schema_rejects_a_broken_file():
 MAIN = load(ROOT / "compose" / "compose.yaml")
 
 
+def container_port(entry) -> int:
+    """The container side of a short-syntax port entry, `[[IP:]HOST:]CONTAINER`."""
+    return int(str(entry).rsplit(":", 1)[-1])
+
+
 @pytest.mark.parametrize("name", list(SERVICE_MODULES))
 def test_service_command_port_and_health_match_leap_serve(name):
     service = MAIN["services"][name]
@@ -44,7 +50,7 @@ def test_service_command_port_and_health_match_leap_serve(name):
     args = settings_parser(service_spec(name)).parse_args(command[2:])  # SystemExit on an unknown flag
     port = int(args.port)
     assert port == DEFAULT_PORTS[name]
-    assert any(str(p).endswith(f":{port}") for p in service["ports"])
+    assert any(container_port(p) == port for p in service["ports"])
     assert service["healthcheck"]["test"] == ["CMD", "leap", "health", f"127.0.0.1:{port}"]
 
 
@@ -68,3 +74,44 @@ def test_every_service_but_the_core_waits_for_healthy_dependencies():
         deps = MAIN["services"][name]["depends_on"]
         assert {"policy", "sandbox", "reward"} <= set(deps)
         assert all(d["condition"] == "service_healthy" for d in deps.values())
+
+
+def test_sandbox_replicas_need_no_fixed_host_port():
+    """`--scale sandbox=N` starts N containers of one service: a fixed host port or container
+    name would let only the first one start."""
+    sandbox = MAIN["services"]["sandbox"]
+    assert all(":" not in str(p) for p in sandbox["ports"]), "Docker must pick each replica's host port"
+    assert "container_name" not in sandbox
+    assert sandbox["deploy"]["replicas"] == "${LEAP_SANDBOX_REPLICAS:-1}"
+
+
+def test_trainer_reaches_every_sandbox_replica_through_dns_round_robin():
+    environment = MAIN["services"]["trainer"]["environment"]
+    assert environment["LEAP_TRAINER_SANDBOX_ADDRESS"] == f"dns:///sandbox:{DEFAULT_PORTS['sandbox']}"
+
+
+def test_gpu_override_only_changes_services_of_the_stack():
+    gpu = load(ROOT / "compose" / "compose.gpu.yaml")
+    assert set(gpu["services"]) <= set(MAIN["services"])
+    reserved = {name for name, service in gpu["services"].items()
+                if service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")}
+    assert reserved == {"policy", "sandbox", "trainer", "distill"}
+
+
+def header_commands(path: Path) -> list[str]:
+    """The `docker compose ...` commands in a file's comments."""
+    return [match.group(0) for line in path.read_text().splitlines() if line.lstrip().startswith("#")
+            for match in [re.search(r"docker compose .*", line)] if match]
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_instructions_in_the_files_name_real_files_and_declared_profiles(path):
+    declared = {profile for f in COMPOSE_FILES for service in load(f)["services"].values()
+                for profile in service.get("profiles", [])}
+    commands = header_commands(path)
+    assert commands, f"{path.name} says nowhere how to start it"
+    for command in commands:
+        files = re.findall(r"-f (\S+)", command)
+        assert files and files[0] == "compose/compose.yaml", command
+        assert all((ROOT / f).is_file() for f in files), command
+        assert set(re.findall(r"--profile (\S+)", command)) <= declared, command

@@ -23,18 +23,8 @@ from leap.learning.run_api import RunApi
 from leap.runtime import BackgroundServer, Registration, ServerConfig, Service, Violations
 from leap.runtime.errors import details_of
 from leap.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.run_jobs import factory
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def wait_state(registry, run_id, *states, timeout: float = 30.0):

@@ -125,3 +125,9 @@ def details_of(error: grpc.RpcError) -> list[Message]:
                 wrapper.Unpack(message)
                 unpacked.append(message)
     return unpacked
+
+
+def violated_fields(error: grpc.RpcError) -> list[str]:
+    """Client side: the fields a failed call's `BadRequest` names (empty when it has none)."""
+    return [violation.field for detail in details_of(error) if isinstance(detail, error_details_pb2.BadRequest)
+            for violation in detail.field_violations]

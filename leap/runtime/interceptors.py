@@ -23,6 +23,9 @@ from leap.runtime.errors import ServiceError
 from leap.runtime.logging import get_logger
 
 REQUEST_ID_KEY = "x-request-id"
+# Set by gRPC clients on a retried attempt (the retry policy of leap.clients retries
+# UNAVAILABLE), so the log shows which replica finally served a retried call.
+PREVIOUS_ATTEMPTS_KEY = "grpc-previous-rpc-attempts"
 
 log = get_logger("leap.calls")
 
@@ -46,18 +49,21 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         needs_auth = bool(self.expected_auth) and not method.startswith(self.exempt_prefixes)
         authorized = not needs_auth or hmac.compare_digest(metadata.get("authorization", ""), self.expected_auth)
         request_id = metadata.get(REQUEST_ID_KEY) or uuid.uuid4().hex
-        call = _Call(method, request_id, authorized, quiet)
+        previous = metadata.get(PREVIOUS_ATTEMPTS_KEY, "")
+        attempt = 1 + int(previous) if previous.isdigit() else 1
+        call = _Call(method, request_id, authorized, quiet, attempt)
         return _wrap(handler, call)
 
 
 class _Call:
     """Per-call bookkeeping: runs the behavior and logs how it ended."""
 
-    def __init__(self, method: str, request_id: str, authorized: bool, quiet: bool):
+    def __init__(self, method: str, request_id: str, authorized: bool, quiet: bool, attempt: int = 1):
         self.method = method
         self.request_id = request_id
         self.authorized = authorized
         self.quiet = quiet
+        self.attempt = attempt
 
     async def guard(self, context: grpc.aio.ServicerContext, body: Callable[[], Any]) -> AsyncIterator[Any]:
         """Run body (which yields responses) with auth, error mapping and logging."""
@@ -89,7 +95,8 @@ class _Call:
                 await context.abort(code, f"internal error (request id {self.request_id})")
             finally:
                 level = log.debug if self.quiet else log.info
-                level("call", code=code.name, latency_ms=round((time.perf_counter() - start) * 1000, 3))
+                retried = {"attempt": self.attempt} if self.attempt > 1 else {}
+                level("call", code=code.name, latency_ms=round((time.perf_counter() - start) * 1000, 3), **retried)
 
 
 def _is_cancel(err: BaseException) -> bool:
