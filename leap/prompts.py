@@ -158,3 +158,25 @@ def continuation_text(tokenizer, history: Sequence[ChatMessage], message: ChatMe
     if not after.startswith(before):
         raise ValueError("the chat template does not render a dialogue as a prefix of its continuation")
     return after[len(before):]
+
+
+def continuation_ids(tokenizer, history: Sequence[ChatMessage], message: ChatMessage, *, closed: bool) -> list[int]:
+    """Token ids to append after the sampled tokens of the last assistant turn of `history`
+    so the result is the whole dialogue with `message` added, ready for the next answer.
+
+    `closed` says whether the sampled tokens ended with the end-of-turn token. The template
+    may render more after that token (a newline, say) and the sampler never produced it; a
+    turn cut at max tokens lacks the end-of-turn token itself. Both are supplied here as
+    text, so a multi-turn rollout keeps every sampled token and the learner scores the very
+    tokens the sampler saw.
+    """
+    rendered = tokenizer.apply_chat_template(as_dicts(history), tokenize=False, add_generation_prompt=False)
+    content = history[-1].content
+    closing = rendered[rendered.rindex(content) + len(content):] if content else ""
+    end_text = tokenizer.eos_token or ""
+    if closed and end_text and closing.startswith(end_text):
+        closing = closing[len(end_text):]
+    elif closed:
+        closing = ""  # the template's closing is not the end-of-turn token: trust the sampler's stop
+    text = closing + continuation_text(tokenizer, history, message)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

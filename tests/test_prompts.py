@@ -77,3 +77,28 @@ def test_continuation_text_is_the_template_suffix():
     whole = tokenizer.apply_chat_template(prompts.as_dicts([*history, prompts.user("Compilation failed")]),
                                           tokenize=False, add_generation_prompt=True)
     assert whole.endswith(extra)
+
+
+NEWLINE_AFTER_END_TEMPLATE = prompts.SIMPLE_CHAT_TEMPLATE.replace("<|end|>", "<|end|>\n")  # as Qwen's template does
+
+
+@pytest.mark.parametrize("template", [prompts.SIMPLE_CHAT_TEMPLATE, NEWLINE_AFTER_END_TEMPLATE])
+@pytest.mark.parametrize("closed", [True, False])
+def test_continuation_ids_rebuild_the_whole_dialogue_after_the_sampled_tokens(tmp_path, template, closed):
+    """Sampled tokens (ending with the end-of-turn token, or cut before it) plus the
+    continuation are token for token the template's rendering of the longer dialogue."""
+    from tests.tiny_lm import build_tiny_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "m"))
+    tokenizer.chat_template = template
+    task = prompts.first_turn(relu_task(), CPU)
+    answer = prompts.answer("extern \"C\" void relu() {}", CPU)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt_ids = encode(tokenizer.apply_chat_template(prompts.as_dicts(task), tokenize=False, add_generation_prompt=True))
+    sampled = encode(answer) + ([tokenizer.eos_token_id] if closed else [])
+    history = [*task, prompts.assistant(answer)]
+    feedback = prompts.user("Compilation failed: error. Fix the code.")
+    ids = prompt_ids + sampled + prompts.continuation_ids(tokenizer, history, feedback, closed=closed)
+    whole = tokenizer.apply_chat_template(prompts.as_dicts([*history, feedback]), tokenize=False, add_generation_prompt=True)
+    assert ids == encode(whole)

@@ -1,0 +1,23 @@
+"""The rollout side of a LEAP step's metrics, as pure functions (the job logs them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from leap.evaluation import by_turn, mean_speedup_of_correct, pass_at_1_by_turn
+from leap.rollouts import Outcome
+
+
+def expanded_share(expanded: Sequence[bool]) -> float:
+    """Share of groups DCP sent to a further turn."""
+    return sum(expanded) / len(expanded) if expanded else 0.0
+
+
+def rollout_metrics(trajectories: Sequence[Sequence[Outcome]], expanded: Sequence[bool], turns: int) -> dict[str, float]:
+    """pass@1 by turn over the step's trajectories, the mean speedup of their correct
+    answers, the expanded share of groups and the sandbox evaluations (one per turn)."""
+    values = by_turn("pass_at_1", pass_at_1_by_turn(trajectories, turns))
+    values["speedup/mean_correct"] = mean_speedup_of_correct(trajectories)
+    values["expanded_share"] = expanded_share(expanded)
+    values["sandbox/evaluations"] = float(sum(len(outcomes) for outcomes in trajectories))
+    return values
