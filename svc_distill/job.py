@@ -27,14 +27,16 @@ from typing import TypeVar
 import grpc
 
 from leap.clients import connect
+from leap.clients.retry import Patience, ServiceUnavailable, with_retries
 from leap.clients.weights import push_weights
 from leap.distill.v1 import distill_pb2
+from leap.evaluation import EvalReport, evaluate
 from leap.learning import Learner, LearnerSettings, OptimizerSettings
 from leap.learning.data import draw_tasks
 from leap.learning.metrics import plot_metrics
 from leap.learning.registry import RunContext, RunFailure
-from leap.learning.services import retry_unavailable
 from leap.policy.v1 import policy_pb2
+from leap.rollouts import Endpoints, Rollouts
 from leap.sandbox.v1 import sandbox_pb2
 from leap.union import TeacherUnion
 from svc_distill.config import tu_opd_config
@@ -71,15 +73,6 @@ def endpoints(config: distill_pb2.DistillConfig, union: TeacherUnion) -> list[En
     return out
 
 
-def evaluator():
-    """The shared held-out evaluator (leap/evaluation.py), or None where this build has none."""
-    try:
-        from leap.evaluation import evaluate
-    except ImportError:
-        return None
-    return evaluate
-
-
 class DistillJob:
     """The registry's job for one run: `DistillJob(config, settings)(ctx)`."""
 
@@ -110,7 +103,7 @@ class DistillRun:
         self.learner_consistent = True  # False while a learner step is under way
         self.tasks: dict[str, sandbox_pb2.Task] = {}
         self.stubs: dict[tuple[str, str], object] = {}
-        self.evaluation_missing_reported = False
+        self.patience = Patience(seconds=settings.service_retry_seconds)
 
     # --- calls to other services ----------------------------------------------------------------
 
@@ -128,16 +121,20 @@ class DistillRun:
     def sandbox(self):
         return self.stub("sandbox", self.config.sandbox_address)
 
-    async def call(self, what: str, make_call: Callable[[], Awaitable[T]], *,
+    async def call(self, service: str, address: str, what: str, make_call: Callable[[], Awaitable[T]], *,
                    tolerate: grpc.StatusCode | None = None) -> T | None:
-        """A call that rides out UNAVAILABLE for service_retry_seconds; None when it fails with
-        `tolerate`; any other error fails the run naming the call."""
+        """`make_call()`, riding out a `service` at `address` that went away for
+        service_retry_seconds (leap.clients.retry); None when it fails with `tolerate`; any other
+        failure fails the run, naming `what` was being done."""
         try:
-            return await retry_unavailable(make_call, what=what, seconds=self.settings.service_retry_seconds)
+            return await with_retries(make_call, service, address, self.patience)
+        except ServiceUnavailable as err:
+            raise RunFailure(f"{what}: {err}") from None
         except grpc.aio.AioRpcError as err:
             if err.code() == tolerate:
                 return None
-            raise RunFailure(f"{what} failed: {err.code().name}: {err.details()}") from None
+            raise RunFailure(f"{what}: the {service} service at {address} answered {err.code().name}: "
+                             f"{err.details()}") from None
 
     async def close_stubs(self) -> None:
         for stub in self.stubs.values():
@@ -193,8 +190,9 @@ class DistillRun:
             if teacher.load_from is not None:
                 await self.ensure_loaded(teacher.address, teacher.model, teacher.load_from, same_path=True)
         for task_id in dict.fromkeys([*self.config.train_tasks, *self.config.eval_tasks]):
-            reply = await self.call(f"sandbox at {self.config.sandbox_address} (GetTask {task_id})",
-                                    lambda: self.sandbox.GetTask(sandbox_pb2.GetTaskRequest(task_id=task_id)))
+            request = sandbox_pb2.GetTaskRequest(task_id=task_id)
+            reply = await self.call("sandbox", self.config.sandbox_address, f"GetTask {task_id}",
+                                    lambda: self.sandbox.GetTask(request))
             self.tasks[task_id] = reply.task
         self.ctx.progress(extra={"teachers": [t.name for t in self.teachers], "union_coverage": self.union.coverage()})
         await self.push_student()
@@ -203,12 +201,12 @@ class DistillRun:
         """LoadModel unless `model` is already served there; a teacher already served from
         another directory is refused (the run would learn from the wrong teacher)."""
         policy = self.stub("policy", address)
-        loaded = await self.call(f"policy at {address} (LoadModel {model})",
-                                 lambda: policy.LoadModel(policy_pb2.LoadModelRequest(name=model, path=str(path))),
+        request = policy_pb2.LoadModelRequest(name=model, path=str(path))
+        loaded = await self.call("policy", address, f"LoadModel {model}", lambda: policy.LoadModel(request),
                                  tolerate=grpc.StatusCode.ALREADY_EXISTS)
         if loaded is not None:
             return
-        info = await self.call(f"policy at {address} (GetModel {model})",
+        info = await self.call("policy", address, f"GetModel {model}",
                                lambda: policy.GetModel(policy_pb2.GetModelRequest(name=model)))
         if same_path and Path(info.model.path).resolve() != path:
             raise RunFailure(f"model {model!r} at {address} is already loaded from {info.model.path}, not from the "
@@ -217,12 +215,11 @@ class DistillRun:
     async def push_student(self) -> None:
         """Serve the learner's current weights as the next version of the student."""
         name, address = self.config.student_model, self.config.student_address
-        info = await self.call(f"policy at {address} (GetModel {name})",
+        info = await self.call("policy", address, f"GetModel {name}",
                                lambda: self.student.GetModel(policy_pb2.GetModelRequest(name=name)))
         state = self.learner.full_state_dict()
-        await self.call(f"policy at {address} (UpdateWeights {name})",
-                        lambda: push_weights(self.student, name, info.model.version + 1, state,
-                                             timeout=self.settings.call_timeout_seconds))
+        await self.call("policy", address, f"UpdateWeights {name}", lambda: push_weights(
+            self.student, name, info.model.version + 1, state, timeout=self.settings.call_timeout_seconds))
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -268,7 +265,7 @@ class DistillRun:
         """The student's samples of each kept example, grouped by example."""
         tasks = [self.tasks[plan.task_ids[i]] for i in plan.kept]
         request = generate_request(self.config.student_model, tasks, self.config.toolchain, self.config, step)
-        reply = await self.call(f"policy at {self.config.student_address} (Generate {self.config.student_model})",
+        reply = await self.call("policy", self.config.student_address, f"Generate {self.config.student_model}",
                                 lambda: self.student.Generate(request))
         grouped: list[list[policy_pb2.Completion]] = [[] for _ in tasks]
         for completion in reply.completions:
@@ -291,7 +288,7 @@ class DistillRun:
         for first in range(0, len(completions), SCORE_ITEMS_PER_CALL):
             request = policy_pb2.ScoreRequest(model=teacher.model, temperature=self.config.sampling.temperature,
                                               items=score_items(completions[first:first + SCORE_ITEMS_PER_CALL]))
-            reply = await self.call(f"teacher {teacher.name!r} at {teacher.address} (Score {teacher.model})",
+            reply = await self.call("policy", teacher.address, f"Score by teacher {teacher.name!r}",
                                     lambda: teacher.stub.Score(request))
             out += [list(result.logprobs) for result in reply.results]
         return out
@@ -307,30 +304,35 @@ class DistillRun:
     async def evaluate(self, step: int, *, with_teachers: bool) -> None:
         """Held-out pass@1 of the student (and, before training, of every teacher and of their
         union: per task the best teacher's pass rate) through the shared evaluator."""
-        evaluate = evaluator()
-        if evaluate is None or not self.config.eval_tasks:
-            if not self.evaluation_missing_reported:
-                why = "no held-out tasks" if evaluate is not None else "leap.evaluation is not in this build"
-                self.ctx.emit("log", step, message=f"held-out evaluation skipped: {why}")
-                self.evaluation_missing_reported = True
+        if not self.config.eval_tasks:
+            self.ctx.emit("log", step, message="held-out evaluation skipped: the run has no held-out tasks")
             return
-        values = dict((await self.evaluate_model(evaluate, self.student, self.config.student_model)).metrics())
+        report = await self.evaluate_model(self.config.student_address, self.config.student_model)
+        values = report.metrics()
         if with_teachers:
             rates = []
             for teacher in self.teachers:
-                report = await self.evaluate_model(evaluate, teacher.stub, teacher.model)
+                report = await self.evaluate_model(teacher.address, teacher.model)
                 values.update({f"teacher/{teacher.name}/{k}": v for k, v in report.metrics().items()})
                 rates.append(report.pass_rates(turn=1))
-            values["union/pass_at_1/turn_1"] = sum(max(r.get(t, 0.0) for r in rates) for t in self.config.eval_tasks
-                                                   ) / len(self.config.eval_tasks)
+            best = [max(r[task] for r in rates) for task in self.config.eval_tasks]
+            values["union/pass_at_1/turn_1"] = sum(best) / len(best)
         self.ctx.emit("eval", step, values)
 
-    async def evaluate_model(self, evaluate, policy, model: str):
+    async def evaluate_model(self, address: str, model: str) -> EvalReport:
+        """One model's first answers to every held-out task, judged by the sandbox (untimed)."""
+        policy = self.stub("policy", address)
+        endpoints = Endpoints(policy, self.sandbox, policy_target=address, sandbox_target=self.config.sandbox_address)
+        rollouts = Rollouts(endpoints, self.learner.tokenizer, model=model, toolchain=self.config.toolchain,
+                            sampling=self.config.sampling, options=sandbox_pb2.EvaluateOptions(timing=False),
+                            patience=self.patience)
         tasks = [self.tasks[t] for t in self.config.eval_tasks]
-        return await self.call(f"held-out evaluation of {model!r}", lambda: evaluate(
-            policy, self.sandbox, self.learner.tokenizer, model=model, tasks=tasks, toolchain=self.config.toolchain,
-            samples=self.config.eval_samples, turns=1, sampling=self.config.sampling, seed=self.config.seed,
-            options=sandbox_pb2.EvaluateOptions(timing=False)))
+        try:
+            return await evaluate(policy, self.sandbox, self.learner.tokenizer, model=model, tasks=tasks,
+                                  toolchain=self.config.toolchain, samples=self.config.eval_samples, turns=1,
+                                  sampling=self.config.sampling, seed=self.config.seed, rollouts=rollouts)
+        except ServiceUnavailable as err:
+            raise RunFailure(f"held-out evaluation of {model!r}: {err}") from None
 
     def finish(self) -> None:
         """The PNG of the main curves, from every event recorded so far."""

@@ -1,54 +1,21 @@
-"""How a learner job (trainer or distiller) talks to the services it depends on: health
-checks and task lookups before a run is accepted, and calls that ride out a service that
-stops answering for a while.
-
-`retry_unavailable` retries a call that fails with UNAVAILABLE, with exponential backoff, for
-up to a configured time, then raises `ServiceDown` (a `RunFailure`: its message is what the
-run's error says). Other statuses are not retried: they are answers, and retrying would not
-change them.
+"""The checks a learner service (trainer or distiller) makes of the services a run depends
+on before it accepts the run: each answers its health check, and the tasks it names exist
+and support the toolchain. (Calls during a run ride out outages with `leap.clients.retry`.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import grpc
 
 from leap.commands.health import check as health_check
 from leap.common.v1 import common_pb2
-from leap.learning.registry import RunFailure
 from leap.runtime import Violations
 from leap.sandbox.v1 import sandbox_pb2
 
-T = TypeVar("T")
 Toolchain = common_pb2.Toolchain
-
-
-class ServiceDown(RunFailure):
-    """A service answered UNAVAILABLE for longer than the run's retry time."""
-
-
-async def retry_unavailable(call: Callable[[], Awaitable[T]], *, what: str, seconds: float,
-                            first_delay: float = 0.25, max_delay: float = 5.0) -> T:
-    """`await call()`, retried while it fails with UNAVAILABLE, for up to `seconds`; then
-    ServiceDown naming `what` ("policy at 127.0.0.1:50051 (Generate)") and the last cause.
-    `call` must make a fresh call each time (a new request stream included)."""
-    deadline = time.monotonic() + seconds
-    delay = first_delay
-    while True:
-        try:
-            return await call()
-        except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            if time.monotonic() + delay > deadline:
-                raise ServiceDown(f"{what} stopped answering: UNAVAILABLE for more than {seconds:g} s "
-                                  f"(last: {err.details()})") from err
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, max_delay)
 
 
 async def reachable(address: str, timeout: float) -> str | None:
