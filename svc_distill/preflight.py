@@ -16,7 +16,7 @@ import torch
 from leap.clients import connect
 from leap.distill.v1 import distill_pb2
 from leap.learning import load_tokenizer
-from leap.learning.services import check_listed_tasks, list_task_ids, reachable
+from leap.learning.services import check_listed_tasks, reachable, resolve_eval_tasks
 from leap.policy.v1 import policy_pb2
 from leap.runtime import Violations
 from leap.tokenization import tokenizer_fingerprint
@@ -140,11 +140,7 @@ async def resolve_tasks(out: distill_pb2.DistillConfig, union: TeacherUnion, v: 
     sandbox = connect("sandbox", out.sandbox_address, unary_deadline=30.0)
     try:
         await check_listed_tasks(sandbox, "config.train_tasks", out.train_tasks, out.toolchain, v)
-        if out.eval_tasks:
-            await check_listed_tasks(sandbox, "config.eval_tasks", out.eval_tasks, out.toolchain, v)
-        else:
-            held_out = await list_task_ids(sandbox, HELDOUT_SPLIT, out.toolchain)
-            out.eval_tasks.extend(t for t in held_out if t not in set(out.train_tasks))
+        await resolve_eval_tasks(sandbox, out, v, HELDOUT_SPLIT)
     finally:
         await sandbox.channel.close()
 

@@ -9,7 +9,7 @@ import asyncio
 
 from leap.clients import connect
 from leap.common.v1 import common_pb2
-from leap.learning.services import check_listed_tasks, list_task_ids, reachable
+from leap.learning.services import check_listed_tasks, list_task_ids, reachable, resolve_eval_tasks
 from leap.runtime import Violations
 from leap.sandbox.v1 import sandbox_pb2
 from leap.trainer.v1 import trainer_pb2
@@ -39,11 +39,7 @@ async def preflight(config: trainer_pb2.RunConfig, *, timeout: float = 5.0) -> t
             await check_listed_tasks(sandbox, "config.train_tasks", out.train_tasks, out.toolchain, v)
         else:
             out.train_tasks.extend(await list_task_ids(sandbox, TRAIN_SPLIT, out.toolchain))
-        if out.eval_tasks:
-            await check_listed_tasks(sandbox, "config.eval_tasks", out.eval_tasks, out.toolchain, v)
-        else:
-            held_out = await list_task_ids(sandbox, HELDOUT_SPLIT, out.toolchain)
-            out.eval_tasks.extend(t for t in held_out if t not in set(out.train_tasks))
+        await resolve_eval_tasks(sandbox, out, v, HELDOUT_SPLIT)
     finally:
         await sandbox.channel.close()
     available = len(out.train_tasks)

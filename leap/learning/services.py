@@ -49,3 +49,13 @@ async def check_listed_tasks(sandbox, field: str, task_ids: Sequence[str], toolc
             raise
         if toolchain not in reply.task.toolchains:
             v.add(f"{field}[{index}]", f"task {task_id!r} does not support toolchain {Toolchain.Name(toolchain)}")
+
+
+async def resolve_eval_tasks(sandbox, config, v: Violations, split: str = "heldout") -> None:
+    """A run config's held-out tasks (`config.eval_tasks`): each listed one checked, or, when
+    none is listed, the sandbox's `split` for the config's toolchain minus its training tasks."""
+    if config.eval_tasks:
+        await check_listed_tasks(sandbox, "config.eval_tasks", config.eval_tasks, config.toolchain, v)
+    else:
+        held_out = await list_task_ids(sandbox, split, config.toolchain)
+        config.eval_tasks.extend(t for t in held_out if t not in set(config.train_tasks))
