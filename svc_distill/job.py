@@ -19,10 +19,11 @@ with the cause, resumable from there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -38,7 +39,7 @@ from leap.learning.registry import RunContext, RunFailure
 from leap.policy.v1 import policy_pb2
 from leap.rollouts import Endpoints, Rollouts
 from leap.sandbox.v1 import sandbox_pb2
-from leap.union import TeacherUnion
+from leap.union import UNION_FILE, TeacherUnion
 from svc_distill.config import tu_opd_config
 from svc_distill.losses import TuOpdObjective
 from svc_distill.steps import (
@@ -48,15 +49,18 @@ from svc_distill.steps import (
 T = TypeVar("T")
 SCORE_ITEMS_PER_CALL = 512  # below the policy service's max_prompts default (1024)
 PLOT_FILE = "metrics.png"
+UNION_COPY = "union"  # the run's copy of the teacher union, under its output directory
 
 
+@dataclasses.dataclass
 class Endpoint:
     """Where one union teacher is served, and the stub to reach it."""
 
-    def __init__(self, name: str, address: str, model: str, load_from: Path | None):
-        self.name, self.address, self.model = name, address, model
-        self.load_from = load_from  # the distiller loads it from this directory when set
-        self.stub = None
+    name: str
+    address: str
+    model: str
+    load_from: Path | None  # the distiller loads it from this directory when set
+    stub: Any = None
 
 
 def endpoints(config: distill_pb2.DistillConfig, union: TeacherUnion) -> list[Endpoint]:
@@ -71,6 +75,21 @@ def endpoints(config: distill_pb2.DistillConfig, union: TeacherUnion) -> list[En
         else:
             out.append(Endpoint(teacher.name, config.student_address, teacher.name, union.model_dir(teacher).resolve()))
     return out
+
+
+def pinned_union(path: str, copy: Path) -> TeacherUnion:
+    """The union as the run first read it: a copy in the run's directory (model paths made
+    absolute) is written on the first attempt and read on every resume, so a union that RGRPO
+    rewrites meanwhile does not change a run half-way."""
+    try:
+        if (copy / UNION_FILE).is_file():
+            return TeacherUnion.read(copy)
+        union = TeacherUnion.read(path)
+    except ValueError as err:
+        raise RunFailure(f"the teacher union can no longer be read: {err}") from None
+    teachers = [dataclasses.replace(t, model_path=str(union.model_dir(t).resolve())) for t in union.teachers]
+    dataclasses.replace(union, teachers=teachers).write(copy)
+    return union
 
 
 class DistillJob:
@@ -89,10 +108,7 @@ class DistillRun:
 
     def __init__(self, config: distill_pb2.DistillConfig, settings, ctx: RunContext):
         self.config, self.settings, self.ctx = config, settings, ctx
-        try:
-            self.union = TeacherUnion.read(config.teacher_union_path)
-        except ValueError as err:
-            raise RunFailure(f"the teacher union can no longer be read: {err}") from None
+        self.union = pinned_union(config.teacher_union_path, ctx.output_dir / UNION_COPY)
         self.loss_config = tu_opd_config(config)
         self.objective = TuOpdObjective(self.loss_config, teachers=len(self.union.teachers))
         self.teachers = endpoints(config, self.union)

@@ -45,6 +45,7 @@ TASKS = ("relu", "softmax", "gemm")
 # teacher-1 is reliable (q >= 0.5) on relu only, teacher-2 on relu and softmax; gemm has none.
 QUALITY = ((0.75, 0.0, 0.25), (0.5, 0.625, 0.0))
 TRAIN = ["relu", "softmax"]
+TEACHERS = ("teacher-1", "teacher-2")
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +263,9 @@ def test_a_stopped_and_resumed_run_continues_exactly(distill, models, uninterrup
     assert events[-1].event.state == RunState.RUN_STATE_SUCCEEDED
     assert [e.event.step for e in events if e.event.kind == "train"] == [1, 2]  # no step lost or repeated
 
+    pinned, original = TeacherUnion.read(Path(stopped.output_dir) / "union"), TeacherUnion.read(models["union"])
+    assert (pinned.task_ids, pinned.quality) == (original.task_ids, original.quality)  # what the run read first
+    assert [pinned.model_dir(t) for t in TEACHERS] == [original.model_dir(t) for t in TEACHERS]
     resumed = Path(final_checkpoint(distill, run.run_id).path)
     whole = Path(final_checkpoint(distill, uninterrupted.run_id).path)
     a, b = read_state(resumed), read_state(whole)
