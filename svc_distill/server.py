@@ -1,33 +1,66 @@
 """The DistillService servicer: a thin layer between the contract and the algorithms.
 
-Every RPC answers UNIMPLEMENTED until issue #7 lands; health, reflection and config
-are real.
+The run RPCs come from `leap.learning.RunApi` over a `RunRegistry`; this module adds the
+distiller's config checks (config.py, preflight.py) and its job (job.py: TU-OPD steps).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from leap.distill.v1 import distill_pb2_grpc
-from leap.runtime import Registration, ServerConfig, Service, ServiceSpec
+from leap.distill.v1 import distill_pb2, distill_pb2_grpc
+from leap.learning.registry import RunRecord
+from leap.learning.run_api import RunApi, RunServiceConfig
+from leap.runtime import Registration, Service, ServiceSpec, local_address, option
+from svc_distill import config as run_config
+from svc_distill.preflight import preflight
 
 SERVICE_NAME = "leap.distill.v1.DistillService"
 
 
 @dataclasses.dataclass
-class DistillConfig(ServerConfig):
-    """Settings of the distill service (server settings included)."""
+class DistillConfig(RunServiceConfig):
+    """Settings of the distill service (run-service and server settings included)."""
+
+    runs_dir: str = option("runs/distill", "Directory of the runs: one folder per run with its record, metrics, "
+                           "TensorBoard events, plots and checkpoints (unless a run names its own output_dir).")
+    student_address: str = option(local_address("policy"), "PolicyService target of runs that leave student_address "
+                                  "empty: it serves the student (and the teachers the distiller loads).")
+    sandbox_address: str = option(local_address("sandbox"), "SandboxService target of runs that leave sandbox_address "
+                                  "empty: task statements and held-out evaluation.")
+    call_timeout_seconds: float = option(600.0, "Deadline of one call to another service (a whole Generate, Score "
+                                         "or held-out evaluation batch).")
 
 
-class DistillServicer(distill_pb2_grpc.DistillServiceServicer):
+class DistillServicer(RunApi, distill_pb2_grpc.DistillServiceServicer):
     """TU-OPD distillation with Consensus-Residual Decomposition, as runs."""
+
+    messages = distill_pb2
+
+    def __init__(self, settings: DistillConfig):
+        self.settings = settings
+        self.registry = self.make_registry(settings)
+
+    async def prepare_config(self, config: distill_pb2.DistillConfig) -> tuple[distill_pb2.DistillConfig, int]:
+        run_config.violations(config).raise_if_any()
+        filled = run_config.with_defaults(config, student_address=self.settings.student_address,
+                                          sandbox_address=self.settings.sandbox_address)
+        prepared = await preflight(filled, timeout=self.settings.preflight_timeout_seconds)
+        return prepared.config, prepared.config.steps
+
+    def make_job(self, record: RunRecord):
+        from svc_distill.job import DistillJob
+
+        return DistillJob(self.config_of(record), self.settings)
 
 
 def build(config: DistillConfig) -> Service:
-    servicer = DistillServicer()
+    servicer = DistillServicer(config)
     return Service(
         name="distill",
         registrations=[Registration(SERVICE_NAME, distill_pb2_grpc.add_DistillServiceServicer_to_server, servicer)],
+        on_start=servicer.start,
+        on_stop=servicer.stop,
     )
 
 

@@ -9,8 +9,8 @@ default explicit, so the stored config of a run says exactly what it ran with.
 from __future__ import annotations
 
 from leap.common.v1 import common_pb2
-from leap.learning import OptimizerSettings, check_model_dir
-from leap.learning.optim import SCHEDULES
+from leap.learning import check_model_dir
+from leap.learning.run_config import fill_optimizer, fill_sampling, optimizer_violations, sampling_violations
 from leap.reward.v1 import reward_pb2
 from leap.runtime import Violations
 from leap.trainer.v1 import trainer_pb2
@@ -23,9 +23,6 @@ DEFAULT_POLICY_MODEL = "policy"
 DEFAULT_TASKS_PER_STEP = 8  # B
 DEFAULT_GROUP_SIZE = 8  # G
 DEFAULT_MAX_TURNS = 3  # K
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_P = 1.0
-DEFAULT_MAX_NEW_TOKENS = 384
 DEFAULT_CLIP_LOW = 0.2
 DEFAULT_CLIP_HIGH = 0.28
 DEFAULT_CHECKPOINT_EVERY = 10
@@ -59,13 +56,8 @@ def with_defaults(config: trainer_pb2.RunConfig, services: trainer_pb2.ServiceAd
     out.tasks_per_step = out.tasks_per_step or DEFAULT_TASKS_PER_STEP
     out.group_size = out.group_size or DEFAULT_GROUP_SIZE
     out.max_turns = turns_of(out)
-    if not out.sampling.HasField("temperature"):
-        out.sampling.temperature = DEFAULT_TEMPERATURE
-    if not out.sampling.HasField("top_p"):
-        out.sampling.top_p = DEFAULT_TOP_P
-    out.sampling.max_new_tokens = out.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    if out.optimizer.schedule in ("", *SCHEDULES):  # an unknown one is a violation, reported as sent
-        OptimizerSettings.from_proto(out.optimizer).to_proto(out.optimizer)
+    fill_sampling(out.sampling)
+    fill_optimizer(out.optimizer)
     if not out.loss.HasField("clip_low"):
         out.loss.clip_low = DEFAULT_CLIP_LOW
     if not out.loss.HasField("clip_high"):
@@ -99,24 +91,8 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     check(config.max_turns >= 0, "max_turns", "K must be at least 1 (0 means the default, 3)")
     if config.mode == TrainMode.TRAIN_MODE_SINGLE:
         check(config.max_turns <= 1, "max_turns", "single-turn mode has one turn; leave max_turns unset or 1")
-    sampling = config.sampling
-    if sampling.HasField("temperature"):
-        check(sampling.temperature > 0, "sampling.temperature",
-              "must be above 0: on-policy RL needs sampled rollouts with logprobs (0 is greedy)")
-    if sampling.HasField("top_p"):
-        check(0 < sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
-    check(sampling.max_new_tokens >= 0, "sampling.max_new_tokens", "must be at least 1 (0 means the default, 384)")
-    optimizer = config.optimizer
-    if optimizer.HasField("learning_rate"):
-        check(optimizer.learning_rate > 0, "optimizer.learning_rate", "must be above 0")
-    check(optimizer.warmup_steps >= 0, "optimizer.warmup_steps", "must not be negative")
-    check(optimizer.schedule in ("", *SCHEDULES), "optimizer.schedule", f"must be one of {', '.join(SCHEDULES)}")
-    check(optimizer.weight_decay >= 0, "optimizer.weight_decay", "must not be negative")
-    if optimizer.HasField("max_grad_norm"):
-        check(optimizer.max_grad_norm >= 0, "optimizer.max_grad_norm", "must not be negative (0 turns clipping off)")
-    check(optimizer.epochs_per_batch >= 0, "optimizer.epochs_per_batch", "must be at least 1 (0 means the default, 1)")
-    check(optimizer.micro_batch_tokens >= 0, "optimizer.micro_batch_tokens",
-          "must be at least 1 (0 means the default, 4096)")
+    sampling_violations(config.sampling, prefix + "sampling.", v)
+    optimizer_violations(config.optimizer, prefix + "optimizer.", v)
     loss = config.loss
     if loss.HasField("clip_low"):
         check(0 <= loss.clip_low < 1, "loss.clip_low", "must be in [0, 1)")

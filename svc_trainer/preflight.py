@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from leap.clients import connect
-from leap.commands.health import check as health_check
 from leap.common.v1 import common_pb2
+from leap.learning.services import check_listed_tasks, list_task_ids, reachable, resolve_eval_tasks
 from leap.runtime import Violations
 from leap.sandbox.v1 import sandbox_pb2
 from leap.trainer.v1 import trainer_pb2
@@ -19,37 +17,6 @@ from svc_trainer.config import HELDOUT_SPLIT, TRAIN_SPLIT
 
 Toolchain = common_pb2.Toolchain
 SERVICES = ("policy", "sandbox", "reward")
-
-
-async def reachable(address: str, timeout: float) -> str | None:
-    """None when `address` answers SERVING, else why not."""
-    status = await asyncio.to_thread(health_check, address, "", timeout)
-    return None if status == "SERVING" else status
-
-
-async def list_task_ids(sandbox, split: str, toolchain: int) -> list[str]:
-    ids: list[str] = []
-    token = ""
-    while True:
-        reply = await sandbox.ListTasks(sandbox_pb2.ListTasksRequest(split=split, toolchain=toolchain, page_token=token,
-                                                                     page_size=1000))
-        ids += [task.id for task in reply.tasks]
-        token = reply.next_page_token
-        if not token:
-            return ids
-
-
-async def check_listed_tasks(sandbox, field: str, task_ids, toolchain: int, v: Violations) -> None:
-    for index, task_id in enumerate(task_ids):
-        try:
-            reply = await sandbox.GetTask(sandbox_pb2.GetTaskRequest(task_id=task_id))
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                v.add(f"{field}[{index}]", f"task {task_id!r} is not in the sandbox's task suite")
-                continue
-            raise
-        if toolchain not in reply.task.toolchains:
-            v.add(f"{field}[{index}]", f"task {task_id!r} does not support toolchain {Toolchain.Name(toolchain)}")
 
 
 async def preflight(config: trainer_pb2.RunConfig, *, timeout: float = 5.0) -> trainer_pb2.RunConfig:
@@ -72,11 +39,7 @@ async def preflight(config: trainer_pb2.RunConfig, *, timeout: float = 5.0) -> t
             await check_listed_tasks(sandbox, "config.train_tasks", out.train_tasks, out.toolchain, v)
         else:
             out.train_tasks.extend(await list_task_ids(sandbox, TRAIN_SPLIT, out.toolchain))
-        if out.eval_tasks:
-            await check_listed_tasks(sandbox, "config.eval_tasks", out.eval_tasks, out.toolchain, v)
-        else:
-            held_out = await list_task_ids(sandbox, HELDOUT_SPLIT, out.toolchain)
-            out.eval_tasks.extend(t for t in held_out if t not in set(out.train_tasks))
+        await resolve_eval_tasks(sandbox, out, v, HELDOUT_SPLIT)
     finally:
         await sandbox.channel.close()
     available = len(out.train_tasks)

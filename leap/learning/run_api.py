@@ -15,10 +15,16 @@ A servicer mixes it in before its generated base class and says what is its own:
 
 The registry's job factory receives the stored record; `self.config_of(record)` (or
 `config_from_record`) turns its config back into the contract's message.
+
+`RunServiceConfig` holds the server settings every learner service has (runs directory,
+concurrency, resume, device, patience with other services, checkpoints kept, shutdown);
+with them, `make_registry`, `start` and `stop` give a servicer its registry's lifecycle.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 from types import ModuleType
 from typing import Any
@@ -28,7 +34,7 @@ from google.protobuf.message import Message
 
 from leap.common.v1 import common_pb2
 from leap.learning.registry import RequestConflict, RunNotFound, RunRecord, RunRegistry, RunStateError
-from leap.runtime import Violations, failed_precondition, invalid_argument, not_found
+from leap.runtime import ServerConfig, Violations, failed_precondition, invalid_argument, not_found, option
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 50
@@ -60,11 +66,48 @@ def metric_event(event: dict[str, Any]) -> common_pb2.MetricEvent:
     )
 
 
+@dataclasses.dataclass
+class RunServiceConfig(ServerConfig):
+    """Settings every learner service shares (server settings included); a service sets its
+    own `runs_dir` default."""
+
+    runs_dir: str = option("runs", "Directory of the runs: one folder per run with its record, metrics, TensorBoard "
+                           "events, plots and checkpoints (unless a run names its own output_dir).")
+    max_concurrent_runs: int = option(1, "Runs trained at once; later ones wait as PENDING.")
+    auto_resume: bool = option(True, "At start, continue runs a previous process left RUNNING (or stopped by its "
+                               "shutdown) from their last checkpoint.")
+    device: str = option("auto", "Device of the learner: auto (the GPU of this rank when present, else cpu), cpu, cuda:0 ...")
+    preflight_timeout_seconds: float = option(5.0, "How long StartRun waits for each service's health check.")
+    service_retry_seconds: float = option(60.0, "How long a run retries a service that stopped answering (with "
+                                          "backoff) before it fails with the cause and a resumable checkpoint.")
+    keep_checkpoints: int = option(3, "Checkpoints kept per run, newest first (0 keeps all); the last one is always kept.")
+    shutdown_wait_seconds: float = option(120.0, "On shutdown, how long running jobs get to finish their step and "
+                                          "checkpoint (they resume at the next start).")
+    tensorboard: bool = option(True, "Also write metrics as TensorBoard events (besides events.jsonl).")
+
+
 class RunApi:
     """Mixin implementing the run RPCs; see the module docstring."""
 
     messages: ModuleType
     registry: RunRegistry
+    settings: RunServiceConfig
+
+    def make_job(self, record: RunRecord):
+        """The job of a run (see `leap.learning.registry`)."""
+        raise NotImplementedError
+
+    def make_registry(self, settings: RunServiceConfig) -> RunRegistry:
+        return RunRegistry(settings.runs_dir, self.make_job, max_concurrent=settings.max_concurrent_runs,
+                           auto_resume=settings.auto_resume, tensorboard=settings.tensorboard)
+
+    async def start(self) -> None:
+        """Load the persisted runs (the service's on_start)."""
+        await asyncio.to_thread(self.registry.open)
+
+    async def stop(self) -> None:
+        """Let running jobs finish their step and checkpoint (the service's on_stop)."""
+        await asyncio.to_thread(self.registry.close, self.settings.shutdown_wait_seconds)
 
     async def prepare_config(self, config: Message) -> tuple[Message, int]:
         """Validate a requested config (raise `ServiceError`, naming fields as `config.<path>`)
