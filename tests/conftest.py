@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,22 +37,24 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 @contextlib.contextmanager
 def leap_serve(service: str, *args: str, port: int | None = None, timeout: float = 120.0,
                env: dict[str, str] | None = None, log_path: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run `leap serve SERVICE --port P ARGS...` as a real process; yield (address, process)."""
+    """Run `leap serve SERVICE --port P ARGS...` as a real process; yield (address, process).
+    Its output (JSON logs) goes to `log_path`, or to a temporary file shown if it fails to
+    start: never to a pipe nobody reads, which would block a chatty service once full."""
     from leap.commands.health import check
 
     port = port or free_port()
     address = f"127.0.0.1:{port}"
-    log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+    log = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()
     process = subprocess.Popen(
         [sys.executable, "-m", "leap", "serve", service, "--port", str(port), *args],
-        cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT if log_path else subprocess.PIPE,
-        start_new_session=True,
+        cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
         deadline = time.monotonic() + timeout
         while check(address, timeout=1.0) != "SERVING":
             if process.poll() is not None:
-                err = process.stderr.read().decode(errors="replace") if process.stderr else ""
+                log.seek(0)
+                err = log.read().decode(errors="replace")
                 raise RuntimeError(f"leap serve {service} exited with {process.returncode}:\n{err[-3000:]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"leap serve {service} not SERVING after {timeout} s")
@@ -65,8 +68,7 @@ def leap_serve(service: str, *args: str, port: int | None = None, timeout: float
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        if log_path:
-            log.close()
+        log.close()
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

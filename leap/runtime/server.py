@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import signal
 import threading
 from collections.abc import Awaitable, Callable
@@ -170,6 +171,8 @@ async def serve(service: Service, config: ServerConfig, *, handle_signals: bool 
 def run(spec: ServiceSpec, config: ServerConfig) -> None:
     """Blocking entry point of `leap serve`."""
     configure_logging(config.log_level, service=spec.name)
+    # `kill -USR1 PID` prints every thread's stack to stderr: how to see where a service hangs.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     service = spec.build(config)
     asyncio.run(serve(service, config))
 
