@@ -7,14 +7,13 @@ GetTeacherUnion belongs to RGRPO (issue #7) and answers UNIMPLEMENTED until it l
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import grpc
 
-from leap.learning.registry import RunRecord, RunRegistry
-from leap.learning.run_api import RunApi
-from leap.runtime import Registration, ServerConfig, Service, ServiceSpec, local_address, option
+from leap.learning.registry import RunRecord
+from leap.learning.run_api import RunApi, RunServiceConfig
+from leap.runtime import Registration, Service, ServiceSpec, local_address, option
 from leap.runtime.errors import error_info
 from leap.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from svc_trainer import config as run_config
@@ -26,25 +25,14 @@ ROLLOUT_LOGS = ("off", "text", "tokens")
 
 
 @dataclasses.dataclass
-class TrainerConfig(ServerConfig):
-    """Settings of the trainer service (server settings included)."""
+class TrainerConfig(RunServiceConfig):
+    """Settings of the trainer service (run-service and server settings included)."""
 
     runs_dir: str = option("runs/trainer", "Directory of the runs: one folder per run with its record, metrics, "
                            "TensorBoard events, plots and checkpoints (unless a run names its own output_dir).")
     policy_address: str = option(local_address("policy"), "PolicyService target of runs that leave services.policy empty.")
     sandbox_address: str = option(local_address("sandbox"), "SandboxService target of runs that leave services.sandbox empty.")
     reward_address: str = option(local_address("reward"), "RewardService target of runs that leave services.reward empty.")
-    max_concurrent_runs: int = option(1, "Runs trained at once; later ones wait as PENDING.")
-    auto_resume: bool = option(True, "At start, continue runs a previous process left RUNNING (or stopped by its "
-                               "shutdown) from their last checkpoint.")
-    device: str = option("auto", "Device of the learner: auto (the GPU of this rank when present, else cpu), cpu, cuda:0 ...")
-    preflight_timeout_seconds: float = option(5.0, "How long StartRun waits for each service's health check.")
-    service_retry_seconds: float = option(60.0, "How long a run retries a service that stopped answering (with "
-                                          "backoff) before it fails with the cause and a resumable checkpoint.")
-    keep_checkpoints: int = option(3, "Checkpoints kept per run, newest first (0 keeps all); the last one is always kept.")
-    shutdown_wait_seconds: float = option(120.0, "On shutdown, how long running jobs get to finish their step and "
-                                          "checkpoint (they resume at the next start).")
-    tensorboard: bool = option(True, "Also write metrics as TensorBoard events (besides events.jsonl).")
     rollout_log: str = option("text", "Per step, write every trajectory to rollouts/step-N.jsonl in the run's directory: "
                               "off, text (answers, verdicts, rewards) or tokens (also token ids and sampler logprobs).")
 
@@ -59,10 +47,9 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
 
     messages = trainer_pb2
 
-    def __init__(self, settings: TrainerConfig, registry: RunRegistry | None = None):
+    def __init__(self, settings: TrainerConfig):
         self.settings = settings
-        self.registry = registry or RunRegistry(settings.runs_dir, self.make_job, max_concurrent=settings.max_concurrent_runs,
-                                                auto_resume=settings.auto_resume, tensorboard=settings.tensorboard)
+        self.registry = self.make_registry(settings)
 
     def default_services(self) -> trainer_pb2.ServiceAddresses:
         s = self.settings
@@ -82,12 +69,6 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
         return TrainingJob(self.config_of(record), JobSettings(device=s.device, service_retry_seconds=s.service_retry_seconds,
                                                                keep_checkpoints=s.keep_checkpoints,
                                                                rollout_log=s.rollout_log))
-
-    async def start(self) -> None:
-        await asyncio.to_thread(self.registry.open)
-
-    async def stop(self) -> None:
-        await asyncio.to_thread(self.registry.close, self.settings.shutdown_wait_seconds)
 
 
 def build(config: TrainerConfig) -> Service:
