@@ -27,6 +27,9 @@ DEFAULT_CLIP_LOW = 0.2
 DEFAULT_CLIP_HIGH = 0.28
 DEFAULT_CHECKPOINT_EVERY = 10
 DEFAULT_EVAL_SAMPLES = 4
+DEFAULT_RGRPO_TAU = 0.5
+DEFAULT_RGRPO_ALPHA = 0.1
+DEFAULT_RGRPO_EVAL_SAMPLES = 8
 TRAIN_SPLIT = "train"
 HELDOUT_SPLIT = "heldout"
 
@@ -70,7 +73,19 @@ def with_defaults(config: trainer_pb2.RunConfig, services: trainer_pb2.ServiceAd
     out.checkpoint_every = out.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
     out.eval_samples = out.eval_samples or DEFAULT_EVAL_SAMPLES
     out.eval_turns = out.eval_turns or (DEFAULT_MAX_TURNS if out.mode == TrainMode.TRAIN_MODE_SINGLE else out.max_turns)
+    if out.rgrpo.rounds:
+        out.rgrpo.steps_per_round = out.rgrpo.steps_per_round or out.steps
+        if not out.rgrpo.HasField("tau"):
+            out.rgrpo.tau = DEFAULT_RGRPO_TAU
+        if not out.rgrpo.HasField("alpha"):
+            out.rgrpo.alpha = DEFAULT_RGRPO_ALPHA
+        out.rgrpo.eval_samples = out.rgrpo.eval_samples or DEFAULT_RGRPO_EVAL_SAMPLES
     return out
+
+
+def total_steps(config: trainer_pb2.RunConfig) -> int:
+    """Optimizer steps of the whole run (every RGRPO round); `config` has its defaults."""
+    return config.rgrpo.rounds * config.rgrpo.steps_per_round if config.rgrpo.rounds else config.steps
 
 
 def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violations:
@@ -113,5 +128,12 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     check(not set(config.train_tasks) & set(config.eval_tasks), "eval_tasks",
           "shares tasks with train_tasks: held-out tasks must not be trained on")
     check(config.toolchain in common_pb2.Toolchain.values(), "toolchain", f"unknown toolchain {config.toolchain}")
-    check(config.rgrpo.rounds >= 0, "rgrpo.rounds", "must not be negative")
+    rounds = config.rgrpo
+    check(rounds.rounds >= 0, "rgrpo.rounds", "must not be negative (0 is a plain run)")
+    check(rounds.steps_per_round >= 0, "rgrpo.steps_per_round", "must be at least 1 (0 means steps)")
+    if rounds.HasField("tau"):
+        check(0 <= rounds.tau <= 1, "rgrpo.tau", "is a pass rate: must be in [0, 1]")
+    if rounds.HasField("alpha"):
+        check(0 <= rounds.alpha <= 1, "rgrpo.alpha", "is a sampling weight relative to uncovered tasks: must be in [0, 1]")
+    check(rounds.eval_samples >= 0, "rgrpo.eval_samples", "must be at least 1 (0 means the default, 8)")
     return v

@@ -23,19 +23,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
 from leap.clients import connect
 from leap.clients.retry import Patience, ServiceUnavailable, with_retries
 from leap.clients.weights import push_weights
-from leap.evaluation import EvalReport, evaluate
+from leap.evaluation import evaluate
+from leap.learning import checkpoint as ckpt
 from leap.learning import Learner, LearnerSettings, OptimizerSettings, with_values
 from leap.learning.data import draw_tasks
-from leap.learning.metrics import plot_metrics
+from leap.learning.metrics import DEFAULT_PANELS, plot_metrics
 from leap.learning.registry import RunContext, RunFailure
 from leap.policy.v1 import policy_pb2
 from leap.reward.v1 import reward_pb2
@@ -43,13 +46,16 @@ from leap.rollouts import Endpoints, Episode, Rollouts, derive_seed
 from leap.sandbox.v1 import sandbox_pb2
 from leap.tokenization import tokenizer_fingerprint
 from leap.trainer.v1 import trainer_pb2
+from leap.union import UNION_FILE, Teacher, TeacherUnion, toolchain_name
 from svc_trainer import batch as batching
+from svc_trainer import rgrpo
 from svc_trainer.losses import SEQ_MEAN_TOKEN_MEAN, TOKEN_MEAN, GrpoLossConfig, GrpoObjective
 from svc_trainer.metrics import rollout_metrics
 
 TrainMode = trainer_pb2.TrainMode
 GateMode = reward_pb2.GateMode
 Decision = reward_pb2.Decision
+UNION_DIR = "union"  # the teacher union of an RGRPO run, inside its output directory
 GENERATE_DEADLINE_SECONDS = 1800.0  # a big batch on a CPU is slow; a dead service is caught by health, not by this
 
 
@@ -136,6 +142,18 @@ class GroupGate:
 
 
 @dataclasses.dataclass
+class Session:
+    """A learner with the policy serving its weights, and the run's tasks."""
+
+    services: Services
+    learner: Learner
+    info: policy_pb2.ModelInfo  # the policy's description of the model it serves for the run
+    rollouts: Rollouts
+    tasks: list[sandbox_pb2.Task]  # training tasks
+    held_out: list[sandbox_pb2.Task]
+
+
+@dataclasses.dataclass
 class Progress:
     """What a checkpoint carries besides the learner."""
 
@@ -174,58 +192,110 @@ class TrainingJob:
     def learner_settings(self) -> LearnerSettings:
         c = self.config
         optimizer = OptimizerSettings.from_proto(c.optimizer)
+        steps = c.rgrpo.steps_per_round if c.rgrpo.rounds else c.steps  # one learner per RGRPO round
         return LearnerSettings(model_path=c.model_path, optimizer=optimizer,
-                               total_updates=c.steps * optimizer.epochs_per_batch, temperature=c.sampling.temperature,
+                               total_updates=steps * optimizer.epochs_per_batch, temperature=c.sampling.temperature,
                                reference=c.loss.kl_beta > 0, device=self.settings.device, seed=c.seed)
 
     async def main(self, ctx: RunContext) -> None:
         services = Services(self.config.services, self.patience)
         try:
-            with Learner(self.learner_settings()) as learner:
-                await self.train(ctx, services, learner)
+            tasks = await self.fetch_tasks(services, self.config.train_tasks)
+            held_out = await self.fetch_tasks(services, self.config.eval_tasks)
+            if self.config.rgrpo.rounds:
+                finished = await self.train_rounds(ctx, services, tasks, held_out)
+            else:
+                finished = await self.train_plain(ctx, services, tasks, held_out)
         finally:
             await services.close()
+        if finished:
+            self.plot(ctx)
 
-    async def train(self, ctx: RunContext, services: Services, learner: Learner) -> None:
+    async def train_plain(self, ctx: RunContext, services: Services, tasks: list[sandbox_pb2.Task],
+                          held_out: list[sandbox_pb2.Task]) -> bool:
+        """A plain run: one learner, tasks drawn epoch by epoch. False when stopped early."""
         c = self.config
-        progress = self.restore(ctx, learner)
-        train_tasks = await self.fetch_tasks(services, c.train_tasks)
-        eval_tasks = await self.fetch_tasks(services, c.eval_tasks)
+        ids = [t.id for t in tasks]
+
+        def draw(step: int, progress: Progress) -> list[str]:
+            names, progress.cursor = draw_tasks(ids, c.tasks_per_step, progress.cursor, c.seed)
+            return names
+
+        with Learner(self.learner_settings()) as learner:
+            at = ctx.latest_checkpoint()
+            progress = Progress.from_state(learner.load_checkpoint(at.path)) if at else Progress()
+            session = await self.open_session(services, learner, tasks, held_out)
+            if progress.step == 0:
+                await self.evaluate(ctx, session, progress)
+            return await self.train_steps(ctx, session, progress, c.steps, draw)
+
+    async def train_rounds(self, ctx: RunContext, services: Services, tasks: list[sandbox_pb2.Task],
+                           held_out: list[sandbox_pb2.Task]) -> bool:
+        """RGRPO: R rounds, each a fresh learner from the initial weights whose batches favour
+        the tasks the union does not cover yet; each round ends with a teacher in the union.
+        False when stopped early."""
+        c = self.config
+        per_round = c.rgrpo.steps_per_round
+        union = self.union_so_far(ctx)
+        at = ctx.latest_checkpoint()
+        first = rgrpo.round_of(at.step, per_round) if at else 1
+        if at and at.step == first * per_round and union and len(union.teachers) >= first:
+            first += 1  # that round's teacher is in the union already
+        totals = Progress.from_state(ckpt.read_state(at.path)) if at else Progress()
+        for round_ in range(first, c.rgrpo.rounds + 1):
+            ctx.progress(round=round_)
+            with Learner(self.learner_settings()) as learner:  # the same initial weights every round
+                progress = dataclasses.replace(totals, step=(round_ - 1) * per_round)
+                if at and rgrpo.round_of(at.step, per_round) == round_:  # resume inside the round (or at its end)
+                    progress = Progress.from_state(learner.load_checkpoint(at.path))
+                session = await self.open_session(services, learner, tasks, held_out)
+                if progress.step == 0:
+                    await self.evaluate(ctx, session, progress)
+                rows = union.quality[:round_ - 1] if union else ()
+                weights = rgrpo.round_weights(len(tasks), rows, c.rgrpo.tau, c.rgrpo.alpha)
+                ids = [t.id for t in tasks]
+
+                def draw(step: int, progress: Progress) -> list[str]:
+                    return rgrpo.weighted_draw(ids, weights, c.tasks_per_step, derive_seed(c.seed, "rgrpo", step))
+
+                if not await self.train_steps(ctx, session, progress, round_ * per_round, draw):
+                    return False
+                union = await self.add_teacher(ctx, session, round_, union)
+                totals = progress
+        return True
+
+    async def open_session(self, services: Services, learner: Learner, tasks: list[sandbox_pb2.Task],
+                           held_out: list[sandbox_pb2.Task]) -> Session:
         info = await self.serve_learner(services, learner)
-        rollouts = self.rollouts(services, learner, info, timing=True)
-        if progress.step == 0:
-            await self.evaluate(ctx, services, learner, info, eval_tasks, progress)
+        return Session(services, learner, info, self.rollouts(services, learner, info), tasks, held_out)
+
+    async def train_steps(self, ctx: RunContext, session: Session, progress: Progress, last: int, draw) -> bool:
+        """Steps progress.step + 1 .. last, each on the tasks `draw(step, progress)` names;
+        held-out evaluation every eval_every steps and at `last`; checkpoints every
+        checkpoint_every steps, at `last` and on a stop request. False when stopped."""
+        c = self.config
+        by_id = {t.id: t for t in session.tasks}
         saved = progress.step
         try:
-            for step in range(progress.step + 1, c.steps + 1):
+            for step in range(progress.step + 1, last + 1):
                 started = time.perf_counter()
-                names, progress.cursor = draw_tasks([t.id for t in train_tasks], c.tasks_per_step, progress.cursor, c.seed)
-                by_id = {t.id: t for t in train_tasks}
-                values = await self.step(ctx, step, [by_id[n] for n in names], services, learner, rollouts)
+                values = await self.step(ctx, step, [by_id[n] for n in draw(step, progress)], session)
                 progress.step = step
                 progress.evaluations += int(values["sandbox/evaluations"])
                 progress.train_seconds += time.perf_counter() - started
                 values.update({"sandbox/evaluations_total": progress.evaluations, "time/train_total_s": progress.train_seconds})
                 ctx.emit("train", step, values)
-                if (c.eval_every and step % c.eval_every == 0) or step == c.steps:
-                    await self.evaluate(ctx, services, learner, info, eval_tasks, progress)
-                if step % c.checkpoint_every == 0 or step == c.steps or ctx.stop_requested():
-                    saved = self.save(ctx, learner, progress)
+                if (c.eval_every and step % c.eval_every == 0) or step == last:
+                    await self.evaluate(ctx, session, progress)
+                if step % c.checkpoint_every == 0 or step == last or ctx.stop_requested():
+                    saved = self.save(ctx, session.learner, progress)
                 if ctx.stop_requested():
-                    return
+                    return False
         except BaseException:
             if progress.step > saved:  # keep the steps done: the run resumes after them
-                self.save(ctx, learner, progress)
+                self.save(ctx, session.learner, progress)
             raise
-        self.plot(ctx)
-
-    def restore(self, ctx: RunContext, learner: Learner) -> Progress:
-        at = ctx.latest_checkpoint()
-        if at is None:
-            return Progress()
-        progress = Progress.from_state(learner.load_checkpoint(at.path))
-        ctx.log.info("resumed", step=progress.step, checkpoint=str(at.path))
-        return progress
+        return True
 
     def save(self, ctx: RunContext, learner: Learner, progress: Progress) -> int:
         info = learner.save_checkpoint(ctx.checkpoint_dir, progress.step, cursor={"tasks": progress.cursor},
@@ -234,7 +304,9 @@ class TrainingJob:
         return progress.step
 
     def plot(self, ctx: RunContext) -> None:
-        path = plot_metrics(ctx.events(), ctx.output_dir / "metrics.png", title=self.config.display_name or ctx.run_id)
+        panels = DEFAULT_PANELS + ([("union coverage (RGRPO)", [("eval", "rgrpo/coverage")])] if self.config.rgrpo.rounds else [])
+        path = plot_metrics(ctx.events(), ctx.output_dir / "metrics.png", title=self.config.display_name or ctx.run_id,
+                            panels=panels)
         if path is not None:
             ctx.emit("log", self.config.steps, {}, f"plot written to {path}")
 
@@ -273,8 +345,8 @@ class TrainingJob:
         self.version = reply.version
         return time.perf_counter() - started
 
-    def rollouts(self, services: Services, learner: Learner, info: policy_pb2.ModelInfo, *, timing: bool) -> Rollouts:
-        options = sandbox_pb2.EvaluateOptions(size=self.config.sandbox_size, timing=timing)
+    def rollouts(self, services: Services, learner: Learner, info: policy_pb2.ModelInfo) -> Rollouts:
+        options = sandbox_pb2.EvaluateOptions(size=self.config.sandbox_size)
         return Rollouts(Endpoints(services.policy, services.sandbox, services.addresses.policy, services.addresses.sandbox),
                         learner.tokenizer, model=self.config.policy_model, toolchain=self.config.toolchain,
                         sampling=self.config.sampling, options=options, max_context_tokens=info.max_context_tokens,
@@ -282,8 +354,8 @@ class TrainingJob:
 
     # --- one step ---------------------------------------------------------------------------
 
-    async def step(self, ctx: RunContext, step: int, tasks: list[sandbox_pb2.Task], services: Services,
-                   learner: Learner, rollouts: Rollouts) -> dict[str, float]:
+    async def step(self, ctx: RunContext, step: int, tasks: list[sandbox_pb2.Task], session: Session) -> dict[str, float]:
+        services, learner, rollouts = session.services, session.learner, session.rollouts
         started = time.perf_counter()
         rollouts.generate_clock.take()  # count this step's busy time only
         rollouts.evaluate_clock.take()
@@ -378,19 +450,61 @@ class TrainingJob:
 
     # --- held-out evaluation ----------------------------------------------------------------
 
-    async def evaluate(self, ctx: RunContext, services: Services, learner: Learner, info: policy_pb2.ModelInfo,
-                       tasks: Sequence[sandbox_pb2.Task], progress: Progress) -> EvalReport | None:
+    async def evaluate(self, ctx: RunContext, session: Session, progress: Progress) -> None:
         """pass@1 and pass@k by turn on the held-out tasks with the policy's current weights;
-        the same seed every time, so before and after differ by the weights alone."""
-        if not tasks:
-            return None
+        the same seed every time, so two evaluations differ by the weights alone."""
+        if not session.held_out:
+            return
         started = time.perf_counter()
         c = self.config
-        report = await evaluate(None, None, learner.tokenizer, model=c.policy_model, tasks=tasks, toolchain=c.toolchain,
-                                samples=c.eval_samples, turns=c.eval_turns, sampling=c.sampling,
-                                seed=derive_seed(c.seed, "eval"), rollouts=self.rollouts(services, learner, info, timing=True))
+        report = await evaluate(None, None, session.learner.tokenizer, model=c.policy_model, tasks=session.held_out,
+                                toolchain=c.toolchain, samples=c.eval_samples, turns=c.eval_turns, sampling=c.sampling,
+                                seed=derive_seed(c.seed, "eval"), rollouts=session.rollouts)
         values = report.metrics() | {"sandbox/evaluations_total": progress.evaluations,
                                      "time/train_total_s": progress.train_seconds,
                                      "time/eval_s": time.perf_counter() - started}
         ctx.emit("eval", progress.step, values)
-        return report
+
+    # --- RGRPO: the teacher union -----------------------------------------------------------
+
+    def union_dir(self, ctx: RunContext) -> Path:
+        return ctx.output_dir / UNION_DIR
+
+    def union_so_far(self, ctx: RunContext) -> TeacherUnion | None:
+        """The union of the rounds finished before; None before the first."""
+        if (self.union_dir(ctx) / UNION_FILE).is_file():
+            return TeacherUnion.read(self.union_dir(ctx))
+        return None
+
+    async def add_teacher(self, ctx: RunContext, session: Session, round_: int, union: TeacherUnion | None) -> TeacherUnion:
+        """Save the round's learner as teacher-<round>, measure its pass rate on every training
+        task (k samples, first turn), and write the union with its row and the new coverage."""
+        c = self.config
+        name = f"teacher-{round_}"
+        directory = self.union_dir(ctx)
+        staging = directory / f".{name}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        session.learner.save_model(str(staging))
+        shutil.rmtree(directory / name, ignore_errors=True)
+        staging.rename(directory / name)
+        seed = derive_seed(c.seed, "quality")  # the same for every teacher: rows differ by the weights alone
+        report = await evaluate(None, None, session.learner.tokenizer, model=c.policy_model, tasks=session.tasks,
+                                toolchain=c.toolchain, samples=c.rgrpo.eval_samples, turns=1, sampling=c.sampling,
+                                seed=seed, rollouts=session.rollouts)
+        rates = report.pass_rates()
+        earlier = (union.teachers[:round_ - 1], union.quality[:round_ - 1]) if union else ((), ())
+        quality = [*earlier[1], tuple(rates[t.id] for t in session.tasks)]
+        union = TeacherUnion(
+            run_id=ctx.run_id, toolchain=toolchain_name(c.toolchain), task_ids=tuple(t.id for t in session.tasks),
+            teachers=(*earlier[0], Teacher(name=name, round=round_, model_path=name)), quality=tuple(quality),
+            samples_per_task=c.rgrpo.eval_samples, seed=seed, tau=c.rgrpo.tau,
+            coverage_by_round=tuple(rgrpo.coverage(quality[:r + 1], c.rgrpo.tau) for r in range(len(quality))),
+            tokenizer_fingerprint=tokenizer_fingerprint(session.learner.tokenizer))
+        union.write(directory)
+        coverage = union.coverage_by_round
+        step = round_ * c.rgrpo.steps_per_round
+        ctx.emit("eval", step, {"rgrpo/round": float(round_), "rgrpo/coverage": coverage[-1],
+                                "rgrpo/teacher_pass_rate": sum(quality[-1]) / len(quality[-1]),
+                                "sandbox/evaluations": float(report.evaluations)},
+                 f"{name} joined the union: coverage {coverage[-1]:.2f} at tau {c.rgrpo.tau:g}")
+        return union

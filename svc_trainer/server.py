@@ -2,22 +2,23 @@
 
 The run RPCs come from `leap.learning.RunApi` over a `RunRegistry`; this module adds the
 trainer's config checks (config.py, preflight.py) and its job (job.py: the LEAP loop).
-GetTeacherUnion belongs to RGRPO (issue #7) and answers UNIMPLEMENTED until it lands.
+GetTeacherUnion reads the union an RGRPO run writes into its output directory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-
-import grpc
+from pathlib import Path
 
 from leap.learning.registry import RunRecord
 from leap.learning.run_api import RunApi, RunServiceConfig
 from leap.runtime import Registration, Service, ServiceSpec, local_address, option
-from leap.runtime.errors import error_info
+from leap.runtime import failed_precondition
+from leap.union import UNION_FILE, TeacherUnion
 from leap.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from svc_trainer import config as run_config
-from svc_trainer.job import JobSettings, TrainingJob
+from svc_trainer.job import UNION_DIR, JobSettings, TrainingJob
 from svc_trainer.preflight import preflight
 
 SERVICE_NAME = "leap.trainer.v1.TrainerService"
@@ -57,12 +58,26 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
 
     async def prepare_config(self, config: trainer_pb2.RunConfig) -> tuple[trainer_pb2.RunConfig, int]:
         run_config.violations(config).raise_if_any()
-        if config.rgrpo.rounds > 0:
-            raise error_info(grpc.StatusCode.UNIMPLEMENTED, "RGRPO rounds (config.rgrpo.rounds > 0) are not built yet "
-                             "(issue #7); leave rgrpo unset for a plain run", "RGRPO_NOT_BUILT")
         filled = run_config.with_defaults(config, self.default_services())
         filled = await preflight(filled, timeout=self.settings.preflight_timeout_seconds)
-        return filled, filled.steps
+        return filled, run_config.total_steps(filled)
+
+    async def GetTeacherUnion(self, request, context):
+        record = self._get(request.run_id)
+        config = self.config_of(record)
+        if not config.rgrpo.rounds:
+            raise failed_precondition(f"run {record.run_id} is a plain run (rgrpo.rounds = 0): it builds no teacher union",
+                                      "NOT_AN_RGRPO_RUN")
+        directory = Path(record.output_dir) / UNION_DIR
+        if not (directory / UNION_FILE).is_file():  # no round finished yet: the union has no teacher
+            union = trainer_pb2.TeacherUnion(path=str(directory), task_ids=config.train_tasks, run_id=record.run_id,
+                                             samples_per_task=config.rgrpo.eval_samples, tau=config.rgrpo.tau)
+        else:
+            try:
+                union = (await asyncio.to_thread(TeacherUnion.read, directory)).to_proto()
+            except ValueError as err:  # for example a teacher directory removed by hand
+                raise failed_precondition(str(err), "UNION_UNREADABLE") from None
+        return trainer_pb2.GetTeacherUnionResponse(union=union)
 
     def make_job(self, record: RunRecord) -> TrainingJob:
         s = self.settings

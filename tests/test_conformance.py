@@ -19,20 +19,6 @@ from leap.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.conftest import free_port, leap_serve
 from tests.tiny_lm import build_tiny_model
 
-# RPCs the README's status table lists as not built yet: they answer UNIMPLEMENTED, which
-# conformance rightly reports as a failure. Drop an entry when its issue lands.
-NOT_BUILT_YET = {
-    "trainer": {"GetTeacherUnion"},  # issue #7 (RGRPO)
-    "distill": set(suite_of("distill").descriptor.methods_by_name),  # issue #7 (TU-OPD runs)
-}
-
-
-def unexpected_failures(service: str, results) -> list:
-    """Failures other than an RPC that is not built yet answering UNIMPLEMENTED."""
-    return [r for r in failures(results)
-            if not (r.rpc in NOT_BUILT_YET.get(service, ()) and r.why.startswith("UNIMPLEMENTED"))]
-
-
 def report(results) -> str:
     return "\n".join(f"{r.outcome.value} {r.check}: {r.why}" for r in results)
 
@@ -56,7 +42,7 @@ def own_services(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("service", ["policy", "sandbox", "reward", "trainer", "distill"])
 def test_own_service_passes_every_check(own_services, service):
     results = check_service(service, own_services[service])
-    assert not unexpected_failures(service, results), report(results)
+    assert not failures(results), report(results)
     assert not [r for r in results if r.outcome is Outcome.SKIP], report(results)
     assert len(results) >= len(suite_of(service).checks) + 3  # health, reflection twice, one probe per RPC
 

@@ -56,6 +56,9 @@ def small_config(model_dir: Path, **overrides) -> trainer_pb2.RunConfig:
         field = getattr(config, name)
         if hasattr(field, "CopyFrom"):
             field.CopyFrom(value)
+        elif isinstance(value, list):
+            del field[:]
+            field.extend(value)
         else:
             setattr(config, name, value)
     return config
@@ -208,3 +211,28 @@ def test_a_sandbox_that_goes_away_fails_the_run_with_the_cause_and_resume_finish
         done = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
     assert done.state == SUCCEEDED and done.step == 2, done.error
     assert train_steps(events) == [1, 2]
+
+
+def test_an_rgrpo_run_leaves_a_teacher_union_that_the_api_and_the_distiller_read(services, tiny_model_dir, tmp_path):
+    from leap.union import TeacherUnion
+
+    rgrpo = trainer_pb2.RgrpoConfig(rounds=2, steps_per_round=1, eval_samples=2, tau=0.5)
+    config = small_config(tiny_model_dir, rgrpo=rgrpo, train_tasks=TRAIN_TASKS[:3])
+    with leap_serve("trainer", *trainer_flags(tmp_path / "runs", services)) as (address, _):
+        trainer = connect("trainer", address, aio=False)
+        run = start(trainer, config)
+        assert run.total_steps == 2
+        events = follow(trainer, run.run_id)
+        done = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
+        union = trainer.GetTeacherUnion(trainer_pb2.GetTeacherUnionRequest(run_id=run.run_id)).union
+    assert done.state == SUCCEEDED and done.step == 2 and done.round == 2, done.error
+    assert [t.name for t in union.teachers] == ["teacher-1", "teacher-2"] and [t.round for t in union.teachers] == [1, 2]
+    assert list(union.task_ids) == TRAIN_TASKS[:3] and union.samples_per_task == 2
+    rows = [list(row.pass_rates) for row in union.quality]
+    assert [len(row) for row in rows] == [3, 3] and all(q in (0.0, 0.5, 1.0) for row in rows for q in row)
+    covered = [max(column) >= 0.5 for column in zip(*rows)]
+    assert union.coverage_by_round[-1] == pytest.approx(sum(covered) / 3)
+    rounds = [e for e in events if e.kind == "eval" and "rgrpo/coverage" in e.values]
+    assert [e.step for e in rounds] == [1, 2] and rounds[-1].values["rgrpo/coverage"] == union.coverage_by_round[-1]
+    on_disk = TeacherUnion.read(union.path)  # what a distillation run reads: every teacher loadable
+    assert on_disk.quality == tuple(map(tuple, rows)) and on_disk.toolchain == "cpu"

@@ -85,8 +85,18 @@ def test_nothing_was_started_by_refused_requests(trainer):
     assert list(trainer.ListRuns(trainer_pb2.ListRunsRequest()).runs) == []
 
 
-def test_rgrpo_is_not_built_yet(trainer, model_dir):
-    config = trainer_pb2.RunConfig(model_path=str(model_dir), steps=1, rgrpo=trainer_pb2.RgrpoConfig(rounds=2))
+@pytest.mark.parametrize("rgrpo, field, words", [
+    (dict(rounds=-1), "config.rgrpo.rounds", "negative"),
+    (dict(rounds=2, tau=1.5), "config.rgrpo.tau", "[0, 1]"),
+    (dict(rounds=2, alpha=-0.1), "config.rgrpo.alpha", "[0, 1]"),
+    (dict(rounds=2, steps_per_round=-1), "config.rgrpo.steps_per_round", "at least 1"),
+])
+def test_bad_rgrpo_settings_are_refused_with_the_field_named(trainer, model_dir, rgrpo, field, words):
+    config = trainer_pb2.RunConfig(model_path=str(model_dir), steps=1, rgrpo=trainer_pb2.RgrpoConfig(**rgrpo))
+    assert words in refused(trainer, config)[field]
+
+
+def test_the_teacher_union_of_an_unknown_run_is_not_found(trainer):
     with pytest.raises(grpc.RpcError) as caught:
-        trainer.StartRun(trainer_pb2.StartRunRequest(request_id="rgrpo", config=config), timeout=30)
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED and "issue #7" in caught.value.details()
+        trainer.GetTeacherUnion(trainer_pb2.GetTeacherUnionRequest(run_id="no-such-run"), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND

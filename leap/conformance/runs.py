@@ -1,8 +1,7 @@
 """Conformance of the run RPCs a learner service shares (TrainerService, DistillService):
 runs are resources with ids, an unknown id is NOT_FOUND everywhere, StartRun names what it
 lacks, and ListRuns pages. No run is ever started: StartRun is only sent without its
-required fields, which a conforming service refuses (and the trainer refuses valid configs
-while its loop is being built, so starting one could not be relied on anyway)."""
+required fields, which a conforming service refuses."""
 
 from __future__ import annotations
 
