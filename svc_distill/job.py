@@ -352,6 +352,6 @@ class DistillRun:
 
     def finish(self) -> None:
         """The PNG of the main curves, from every event recorded so far."""
-        events = self.ctx.registry.metrics_log(self.ctx.run_id).read()
+        events = self.ctx.events()
         plot_metrics(events, self.ctx.output_dir / PLOT_FILE, title=f"distill {self.ctx.run_id}",
                      panels=distill_panels([t.name for t in self.teachers]))

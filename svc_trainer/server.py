@@ -39,6 +39,7 @@ class TrainerConfig(RunServiceConfig):
 
     def __post_init__(self) -> None:
         # Checked when the settings are loaded, so a bad value stops `leap serve` with one line.
+        super().__post_init__()
         if self.rollout_log not in ROLLOUT_LOGS:
             raise ValueError(f"rollout_log: must be one of {', '.join(ROLLOUT_LOGS)}, got {self.rollout_log!r}")
 

@@ -9,6 +9,8 @@ import typing
 from leap.commands import SERVICE_MODULES, service_spec
 from leap.runtime import config as cfg
 
+LEARNER_SERVICES = ("trainer", "distill")  # services whose runs train a model, on one or many processes
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -68,8 +70,28 @@ def run(args, extra: list[str]) -> int:
         settings_parser(spec).print_help()
         return 0
     settings = load_settings(spec, extra)
+    if args.service in LEARNER_SERVICES and not learner_driver():
+        return 0  # a follower rank under torchrun: it trained in lockstep with rank 0 and is done
     try:
         run_server(spec, settings)
     except OSError as err:
         raise UserError(str(err)) from None
+    finally:
+        if args.service in LEARNER_SERVICES:
+            from leap.learning.distributed import current_world, release_followers
+
+            release_followers(current_world())
     return 0
+
+
+def learner_driver() -> bool:
+    """Under `torchrun --nproc-per-node N -m leap serve trainer` every rank joins one process
+    group; rank 0 serves and drives, the others replay its learner's calls (FSDP) until it
+    shuts down. Returns whether this process is rank 0 (True with a single process)."""
+    from leap.learning.distributed import current_world, follow
+
+    world = current_world()
+    if world.is_driver:
+        return True
+    follow()
+    return False

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import os
 from types import ModuleType
 from typing import Any
 
@@ -84,6 +85,11 @@ class RunServiceConfig(ServerConfig):
     shutdown_wait_seconds: float = option(120.0, "On shutdown, how long running jobs get to finish their step and "
                                           "checkpoint (they resume at the next start).")
     tensorboard: bool = option(True, "Also write metrics as TensorBoard events (besides events.jsonl).")
+
+    def __post_init__(self) -> None:
+        # Several processes (torchrun) train one learner in lockstep: one run at a time.
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.max_concurrent_runs != 1:
+            raise ValueError("max_concurrent_runs: must be 1 when the learner spans several processes (WORLD_SIZE > 1)")
 
 
 class RunApi:

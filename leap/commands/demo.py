@@ -1,0 +1,174 @@
+"""`leap demo`: the whole system on this machine, in a few minutes. It builds the tiny model
+(cached), starts every service on free loopback ports, measures the model, runs a LEAP
+training with a progress bar, measures it again and prints what changed: pass@1 by turn on
+the held-out tasks and on fresh samples of the training tasks, speedups, sandbox
+evaluations spent and saved by DCP, and where the metrics, plots and samples were written.
+
+With a GPU (and nvcc) the model is warm-started on the suite's CUDA examples and trained on
+the cuda toolchain; without one, C++ on the cpu toolchain."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="train the tiny model with LEAP on this machine and report",
+                                   description=__doc__)
+    parser.add_argument("--out", default="runs/demo", help="where the model, the services' state and the run go "
+                                                           "(default runs/demo)")
+    parser.add_argument("--model", metavar="DIR", help="a Hugging Face model directory to train instead of the "
+                                                       "bootstrapped tiny model")
+    parser.add_argument("--steps", type=int, default=20, help="LEAP steps (default 20)")
+    parser.add_argument("--tasks-per-step", type=int, default=8, help="tasks per step, B (default 8)")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per task, G (default 8)")
+    parser.add_argument("--max-turns", type=int, default=3, help="turns for expanded groups, K (default 3)")
+    parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
+    parser.add_argument("--eval-samples", type=int, default=8, help="samples per task when measuring (default 8)")
+    parser.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N steps (default 5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run)
+
+
+def check_args(args) -> None:
+    from leap.cli import UserError
+
+    for name in ("steps", "tasks_per_step", "max_turns", "eval_samples"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.group_size < 2:
+        raise UserError("--group-size must be at least 2: rank rewards compare rollouts within a group")
+    if args.learning_rate <= 0:
+        raise UserError("--learning-rate must be above 0")
+    if args.model:
+        from leap.learning import check_model_dir
+
+        if problem := check_model_dir(args.model):
+            raise UserError(f"--model: {problem}")
+
+
+def run(args, _extra) -> int:
+    from leap.cli import UserError
+    from leap.experiments.runs import RunFailed
+    from leap.experiments.stack import experiment_stack
+
+    check_args(args)
+    out = Path(args.out)
+    toolchain = demo_toolchain()
+    model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, args.quiet)
+    stack = experiment_stack(out / "stack", model)
+    say(f"starting the services (logs in {out / 'stack' / 'logs'}) ...")
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError) as err:
+        raise UserError(str(err)) from None
+    try:
+        report = train_and_measure(args, stack.addresses, model, toolchain)
+    except RunFailed as err:
+        raise UserError(str(err)) from None
+    finally:
+        stack.stop()
+    write_report(report, out)
+    return 0
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def demo_toolchain() -> int:
+    """cuda where a GPU and nvcc are present, else cpu."""
+    import shutil
+
+    import torch
+
+    from leap.common.v1 import common_pb2
+
+    if torch.cuda.is_available() and shutil.which("nvcc"):
+        return common_pb2.Toolchain.TOOLCHAIN_CUDA
+    return common_pb2.Toolchain.TOOLCHAIN_CPU
+
+
+def bootstrap(directory: Path, toolchain: int, quiet: bool) -> Path:
+    from leap.bootstrap import BootstrapConfig, bootstrap_model
+    from leap.union import toolchain_name
+
+    say(f"building the tiny model into {directory} (cached after the first time) ...")
+    return bootstrap_model(directory, config=BootstrapConfig(toolchains=(toolchain_name(toolchain),)), progress=not quiet)
+
+
+def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int) -> dict:
+    from leap.clients import connect
+    from leap.common.v1 import common_pb2
+    from leap.experiments.measure import list_tasks, measure
+    from leap.experiments.runs import run_to_end
+    from leap.rollouts import derive_seed
+    from leap.trainer.v1 import trainer_pb2
+
+    train_tasks = list_tasks(addresses["sandbox"], "train", toolchain)
+    measure_args = dict(toolchain=toolchain, samples=args.eval_samples, turns=args.max_turns,
+                        seed=derive_seed(args.seed, "demo", "train-tasks"))
+    say(f"measuring the model on fresh samples of the {len(train_tasks)} training tasks ...")
+    train_before = measure(addresses, "policy", model, train_tasks, **measure_args)
+    config = trainer_pb2.RunConfig(
+        model_path=str(model.resolve()), steps=args.steps, tasks_per_step=min(args.tasks_per_step, len(train_tasks)),
+        group_size=args.group_size, max_turns=args.max_turns, toolchain=toolchain, seed=args.seed,
+        eval_every=args.eval_every, eval_samples=args.eval_samples, checkpoint_every=max(1, args.steps // 2),
+        optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate), display_name="leap demo")
+    trainer = connect("trainer", addresses["trainer"], aio=False)
+    started = time.perf_counter()
+    try:
+        finished = run_to_end(trainer, trainer_pb2, config, "LEAP", progress=not args.quiet,
+                              postfix_keys=("pass_at_1/turn_1", "expanded_share", "loss"))
+    finally:
+        trainer.channel.close()
+    seconds = time.perf_counter() - started
+    say("measuring the trained model on the same training tasks, with the same samples' seeds ...")
+    train_after = measure(addresses, "policy", model, train_tasks, **measure_args)
+    train_events = [dict(e.values) for e in finished.of_kind("train")]
+    return {
+        "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": seconds,
+        "steps": args.steps, "turns": args.max_turns, "model": str(model),
+        "held_out": {"before": finished.first_eval(), "after": finished.last_eval()},
+        "train_tasks": {"before": train_before.metrics(), "after": train_after.metrics()},
+        "sandbox_evaluations": sum(v.get("sandbox/evaluations", 0.0) for v in train_events),
+        "sandbox_evaluations_saved": sum(v.get("sandbox/evaluations_saved", 0.0) for v in train_events),
+        "expanded_share": sum(v.get("expanded_share", 0.0) for v in train_events) / max(1, len(train_events)),
+    }
+
+
+def format_report(report: dict) -> str:
+    turns = report["turns"]
+    lines = [f"LEAP demo: {report['steps']} steps in {report['seconds'] / 60:.1f} min (run {report['run_id']})", "",
+             f"{'':34}{'before':>8}{'after':>8}{'change':>9}"]
+    for label, key in (("held-out tasks", "held_out"), ("training tasks, fresh samples", "train_tasks")):
+        before, after = report[key]["before"], report[key]["after"]
+        if not before:
+            continue
+        lines.append(label)
+        for t in range(1, turns + 1):
+            name = f"pass_at_1/turn_{t}"
+            lines.append(f"  pass@1 by turn {t:<17}{before[name]:>8.3f}{after[name]:>8.3f}{after[name] - before[name]:>+9.3f}")
+        name = f"pass_at_k/turn_{turns}"
+        lines.append(f"  pass@k by turn {turns:<17}{before[name]:>8.3f}{after[name]:>8.3f}{after[name] - before[name]:>+9.3f}")
+        s0, s1 = before["speedup/mean_correct"], after["speedup/mean_correct"]
+        lines.append(f"  mean speedup of correct answers {s0:>7.2f}x{s1:>7.2f}x")
+    lines += ["", f"sandbox evaluations spent by training: {report['sandbox_evaluations']:,.0f} "
+                  f"(DCP saved up to {report['sandbox_evaluations_saved']:,.0f} against expanding every failing group)",
+              f"groups expanded to debugging turns: {report['expanded_share']:.0%} on average",
+              "", f"written to {report['output_dir']}:",
+              "  metrics.png (curves), events.jsonl and tensorboard/ (every metric), rollouts/ (every answer and "
+              "verdict), checkpoints/"]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> None:
+    text = format_report(report)
+    say("\n" + text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.txt").write_text(text + "\n")
+    say(f"  {out / 'report.txt'} and report.json (this summary)")

@@ -1,0 +1,108 @@
+"""Comparing runs from their metric events: curves of held-out pass@1 against the cost spent
+(sandbox evaluations, training seconds), the cost of reaching a target accuracy, and a
+table and plot of it all. Pure functions over plain event dicts ({"kind", "step",
+"values"}), so they are tested without services."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+EVALUATIONS = "sandbox/evaluations_total"
+SECONDS = "time/train_total_s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One held-out evaluation of a run: its accuracy and what training had cost by then."""
+
+    step: int
+    evaluations: float
+    seconds: float
+    accuracy: float
+
+
+def curve(events: Sequence[Mapping], metric: str) -> list[Point]:
+    """The run's held-out evaluations of `metric`, in step order."""
+    points = [Point(int(e["step"]), float(e["values"].get(EVALUATIONS, 0.0)), float(e["values"].get(SECONDS, 0.0)),
+                    float(e["values"][metric]))
+              for e in events if e["kind"] == "eval" and metric in e["values"]]
+    return sorted(points, key=lambda p: p.step)
+
+
+def cost_to_reach(points: Sequence[Point], target: float) -> Point | None:
+    """The first evaluation at or above `target`; None when the run never got there."""
+    return next((p for p in points if p.accuracy >= target - 1e-12), None)
+
+
+def ratio(slow: float | None, fast: float | None) -> float:
+    """How many times less `fast` spent than `slow` (nan when either is missing or zero)."""
+    if not slow or not fast:
+        return math.nan
+    return slow / fast
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """One run of a comparison, summarised."""
+
+    name: str
+    final: dict[str, float]  # metric -> last held-out value
+    evaluations: float  # training's sandbox evaluations in all
+    seconds: float  # training's wall seconds in all
+    expanded_share: float  # mean over steps
+    reached: Point | None  # first evaluation at the target accuracy
+
+
+def summarize(name: str, events: Sequence[Mapping], metrics: Sequence[str], target_metric: str,
+              target: float) -> Summary:
+    trains = [e["values"] for e in events if e["kind"] == "train"]
+    finals = {m: (curve(events, m)[-1].accuracy if curve(events, m) else math.nan) for m in metrics}
+    last = trains[-1] if trains else {}
+    return Summary(name, finals, float(last.get(EVALUATIONS, 0.0)), float(last.get(SECONDS, 0.0)),
+                   sum(t.get("expanded_share", 0.0) for t in trains) / max(1, len(trains)),
+                   cost_to_reach(curve(events, target_metric), target))
+
+
+def markdown_table(summaries: Sequence[Summary], metrics: Sequence[str], target_label: str) -> str:
+    header = ["run", *[m.replace("pass_at_1/", "pass@1 ") for m in metrics], "sandbox evals", "train s",
+              "expanded", f"evals to {target_label}", f"s to {target_label}"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for s in summaries:
+        reached = (f"{s.reached.evaluations:,.0f}", f"{s.reached.seconds:,.0f}") if s.reached else ("not reached",) * 2
+        cells = [s.name, *[f"{s.final[m]:.3f}" for m in metrics], f"{s.evaluations:,.0f}", f"{s.seconds:,.0f}",
+                 f"{s.expanded_share:.0%}", *reached]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot_curves(runs: Mapping[str, Sequence[Mapping]], metrics: Sequence[str], path: str | Path,
+                title: str = "") -> Path:
+    """A grid: one row per metric, columns against sandbox evaluations and training seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(metrics), 2, figsize=(11, 3.4 * len(metrics)), squeeze=False)
+    for row, metric in enumerate(metrics):
+        for column, (x, label) in enumerate(((lambda p: p.evaluations, "sandbox evaluations (training)"),
+                                              (lambda p: p.seconds, "wall-clock seconds (training)"))):
+            axis = axes[row][column]
+            for name, events in runs.items():
+                points = curve(events, metric)
+                axis.plot([x(p) for p in points], [p.accuracy for p in points], marker="o", markersize=3, label=name)
+            axis.set_xlabel(label)
+            axis.set_ylabel(f"held-out {metric.replace('pass_at_1/', 'pass@1 ')}")
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,66 @@
+"""Starting a run on a learner service and following it with a progress bar, then reading
+its metric events (the same for the trainer and the distiller: both keep the run contract)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from types import ModuleType
+
+from leap.common.v1 import common_pb2
+
+RunState = common_pb2.RunState
+TERMINAL = (RunState.RUN_STATE_STOPPED, RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED)
+
+
+class RunFailed(RuntimeError):
+    """A run ended in another state than SUCCEEDED."""
+
+
+@dataclasses.dataclass
+class FinishedRun:
+    """A run that succeeded, with every event it recorded."""
+
+    run: object  # the contract's Run message
+    events: list[common_pb2.MetricEvent]
+
+    def of_kind(self, kind: str) -> list[common_pb2.MetricEvent]:
+        return [e for e in self.events if e.kind == kind]
+
+    def first_eval(self) -> dict[str, float]:
+        evals = [e for e in self.of_kind("eval") if "pass_at_1/turn_1" in e.values]
+        return dict(evals[0].values) if evals else {}
+
+    def last_eval(self) -> dict[str, float]:
+        evals = [e for e in self.of_kind("eval") if "pass_at_1/turn_1" in e.values]
+        return dict(evals[-1].values) if evals else {}
+
+
+def run_to_end(stub, messages: ModuleType, config, label: str, progress: bool = True,
+               postfix_keys: tuple[str, ...] = ()) -> FinishedRun:
+    """Start a run of `config` on `stub` (a blocking stub of the trainer or the distiller),
+    show a progress bar of its steps until it ends, and return it; RunFailed when it did not
+    succeed."""
+    from tqdm import tqdm
+
+    run = stub.StartRun(messages.StartRunRequest(request_id=uuid.uuid4().hex, config=config), timeout=300).run
+    events: list[common_pb2.MetricEvent] = []
+    with tqdm(total=run.total_steps, desc=label, unit="step", disable=not progress, dynamic_ncols=True) as bar:
+        for reply in stub.StreamMetrics(messages.StreamMetricsRequest(run_id=run.run_id)):
+            event = reply.event
+            events.append(event)
+            if event.kind == "train":
+                bar.update(max(0, event.step - bar.n))
+                bar.set_postfix({k.split("/")[-1] if "/" in k else k: f"{event.values[k]:.2f}"
+                                 for k in postfix_keys if k in event.values}, refresh=False)
+            elif event.kind == "eval" and "pass_at_1/turn_1" in event.values:
+                bar.write(f"  {label} step {event.step}: held-out pass@1 "
+                          + " ".join(f"turn {t}: {event.values[f'pass_at_1/turn_{t}']:.2f}"
+                                     for t in range(1, 10) if f"pass_at_1/turn_{t}" in event.values))
+            if event.kind == "state" and event.state in TERMINAL:
+                break
+    final = stub.GetRun(messages.GetRunRequest(run_id=run.run_id), timeout=60).run
+    if final.state != RunState.RUN_STATE_SUCCEEDED:
+        raise RunFailed(f"{label} run {final.run_id} ended {RunState.Name(final.state)}: {final.error or 'no error given'}"
+                        f" (its directory: {final.output_dir})")
+    return FinishedRun(final, events)

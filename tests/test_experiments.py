@@ -1,0 +1,58 @@
+"""The experiment commands' pure parts: comparing runs from their events (leap.experiments.compare)."""
+
+from __future__ import annotations
+
+import math
+
+from leap.experiments import compare
+
+
+def eval_event(step, evaluations, seconds, accuracy):
+    return {"kind": "eval", "step": step, "values": {"pass_at_1/turn_1": accuracy, compare.EVALUATIONS: evaluations,
+                                                     compare.SECONDS: seconds}}
+
+
+def train_event(step, evaluations, seconds, expanded):
+    return {"kind": "train", "step": step, "values": {compare.EVALUATIONS: evaluations, compare.SECONDS: seconds,
+                                                      "expanded_share": expanded}}
+
+
+LEAP = [eval_event(0, 0, 0, 0.25), train_event(1, 100, 10, 0.5), eval_event(5, 100, 10, 0.5), train_event(2, 150, 20, 0.3),
+        eval_event(10, 150, 20, 0.625)]
+MULTI = [eval_event(0, 0, 0, 0.25), train_event(1, 200, 25, 1.0), eval_event(5, 200, 25, 0.375),
+         eval_event(10, 400, 50, 0.5)]
+
+
+def test_curves_are_the_eval_events_in_step_order():
+    points = compare.curve(list(reversed(LEAP)), "pass_at_1/turn_1")
+    assert [(p.step, p.evaluations, p.seconds, p.accuracy) for p in points] == [
+        (0, 0, 0, 0.25), (5, 100, 10, 0.5), (10, 150, 20, 0.625)]
+    assert compare.curve(LEAP, "pass_at_1/turn_9") == []
+
+
+def test_the_cost_to_reach_a_target_is_the_first_evaluation_at_it():
+    leap = compare.curve(LEAP, "pass_at_1/turn_1")
+    assert compare.cost_to_reach(leap, 0.5).step == 5
+    assert compare.cost_to_reach(leap, 0.7) is None
+    multi_reached = compare.cost_to_reach(compare.curve(MULTI, "pass_at_1/turn_1"), 0.5)
+    assert compare.ratio(multi_reached.seconds, compare.cost_to_reach(leap, 0.5).seconds) == 5.0
+    assert math.isnan(compare.ratio(None, 3.0)) and math.isnan(compare.ratio(3.0, 0.0))
+
+
+def test_summaries_and_the_table():
+    metrics = ["pass_at_1/turn_1"]
+    leap = compare.summarize("leap", LEAP, metrics, metrics[0], 0.5)
+    multi = compare.summarize("multiturn", MULTI, metrics, metrics[0], 0.5)
+    assert leap.final == {"pass_at_1/turn_1": 0.625} and leap.evaluations == 150 and leap.seconds == 20
+    assert leap.expanded_share == 0.4 and multi.expanded_share == 1.0
+    assert multi.reached.evaluations == 400
+    table = compare.markdown_table([leap, multi], metrics, "0.500").splitlines()
+    assert table[0].startswith("| run | pass@1 turn_1 | sandbox evals")
+    assert table[2] == "| leap | 0.625 | 150 | 20 | 40% | 100 | 10 |"
+    unreached = compare.summarize("single", LEAP, metrics, metrics[0], 0.9)
+    assert "not reached" in compare.markdown_table([unreached], metrics, "0.900")
+
+
+def test_the_plot_is_written(tmp_path):
+    path = compare.plot_curves({"leap": LEAP, "multiturn": MULTI}, ["pass_at_1/turn_1"], tmp_path / "c.png", title="t")
+    assert path.is_file() and path.stat().st_size > 1000
