@@ -85,9 +85,11 @@ def test_sandbox_replicas_need_no_fixed_host_port():
     assert sandbox["deploy"]["replicas"] == "${LEAP_SANDBOX_REPLICAS:-1}"
 
 
-def test_trainer_reaches_every_sandbox_replica_through_dns_round_robin():
-    environment = MAIN["services"]["trainer"]["environment"]
-    assert environment["LEAP_TRAINER_SANDBOX_ADDRESS"] == f"dns:///sandbox:{DEFAULT_PORTS['sandbox']}"
+def test_the_learners_reach_every_sandbox_replica_through_dns_round_robin():
+    for name in ("trainer", "distill"):
+        environment = MAIN["services"][name]["environment"]
+        assert environment[f"LEAP_{name.upper()}_SANDBOX_ADDRESS"] == f"dns:///sandbox:{DEFAULT_PORTS['sandbox']}"
+    assert MAIN["services"]["distill"]["environment"]["LEAP_DISTILL_STUDENT_ADDRESS"] == "policy:50051"
 
 
 def test_gpu_override_only_changes_services_of_the_stack():
