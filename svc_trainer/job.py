@@ -451,18 +451,26 @@ class TrainingJob:
     # --- held-out evaluation ----------------------------------------------------------------
 
     async def evaluate(self, ctx: RunContext, session: Session, progress: Progress) -> None:
-        """pass@1 and pass@k by turn on the held-out tasks with the policy's current weights;
-        the same seed every time, so two evaluations differ by the weights alone."""
-        if not session.held_out:
+        """pass@1 and pass@k by turn on the held-out tasks (and, with eval_train_tasks, on fresh
+        samples of the training tasks) with the policy's current weights; one seed per task set
+        for every evaluation of the run, so two evaluations differ by the weights alone."""
+        c = self.config
+        sets = [("", session.held_out, "eval")]
+        if c.eval_train_tasks:
+            sets.append(("train_tasks/", session.tasks, "eval-train-tasks"))
+        if not any(tasks for _, tasks, _ in sets):
             return
         started = time.perf_counter()
-        c = self.config
-        report = await evaluate(None, None, session.learner.tokenizer, model=c.policy_model, tasks=session.held_out,
-                                toolchain=c.toolchain, samples=c.eval_samples, turns=c.eval_turns, sampling=c.sampling,
-                                seed=derive_seed(c.seed, "eval"), rollouts=session.rollouts)
-        values = report.metrics() | {"sandbox/evaluations_total": progress.evaluations,
-                                     "time/train_total_s": progress.train_seconds,
-                                     "time/eval_s": time.perf_counter() - started}
+        values: dict[str, float] = {}
+        for prefix, tasks, purpose in sets:
+            if not tasks:
+                continue
+            report = await evaluate(None, None, session.learner.tokenizer, model=c.policy_model, tasks=tasks,
+                                    toolchain=c.toolchain, samples=c.eval_samples, turns=c.eval_turns,
+                                    sampling=c.sampling, seed=derive_seed(c.seed, purpose), rollouts=session.rollouts)
+            values.update({prefix + k: v for k, v in report.metrics().items()})
+        values.update({"sandbox/evaluations_total": progress.evaluations, "time/train_total_s": progress.train_seconds,
+                       "time/eval_s": time.perf_counter() - started})
         ctx.emit("eval", progress.step, values)
 
     # --- RGRPO: the teacher union -----------------------------------------------------------

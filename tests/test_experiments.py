@@ -47,10 +47,15 @@ def test_summaries_and_the_table():
     assert leap.expanded_share == 0.4 and multi.expanded_share == 1.0
     assert multi.reached.evaluations == 400
     table = compare.markdown_table([leap, multi], metrics, "0.500").splitlines()
-    assert table[0].startswith("| run | pass@1 turn_1 | sandbox evals")
+    assert table[0].startswith("| run | held-out pass@1, turn 1 | sandbox evals")
     assert table[2] == "| leap | 0.625 | 150 | 20 | 40% | 100 | 10 |"
     unreached = compare.summarize("single", LEAP, metrics, metrics[0], 0.9)
     assert "not reached" in compare.markdown_table([unreached], metrics, "0.900")
+
+
+def test_metric_labels_say_which_tasks():
+    assert compare.label("train_tasks/pass_at_1/turn_3") == "training tasks pass@1, turn 3"
+    assert compare.label("pass_at_1/turn_1") == "held-out pass@1, turn 1"
 
 
 def test_the_plot_is_written(tmp_path):

@@ -1,8 +1,9 @@
 """`leap demo`: the whole system on this machine, in a few minutes. It builds the tiny model
-(cached), starts every service on free loopback ports, measures the model, runs a LEAP
-training with a progress bar, measures it again and prints what changed: pass@1 by turn on
-the held-out tasks and on fresh samples of the training tasks, speedups, sandbox
-evaluations spent and saved by DCP, and where the metrics, plots and samples were written.
+(cached), starts every service on free loopback ports, runs a LEAP training with a progress
+bar, and prints what changed between the evaluations before the first step and after the
+last: pass@1 by turn on fresh samples of the training tasks and on the held-out tasks,
+speedups, sandbox evaluations spent and saved by DCP, and where the metrics, plots and
+samples were written.
 
 With a GPU (and nvcc) the model is warm-started on the suite's CUDA examples and trained on
 the cuda toolchain; without one, C++ on the cpu toolchain."""
@@ -26,8 +27,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per task, G (default 8)")
     parser.add_argument("--max-turns", type=int, default=3, help="turns for expanded groups, K (default 3)")
     parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
-    parser.add_argument("--eval-samples", type=int, default=8, help="samples per task when measuring (default 8)")
-    parser.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N steps (default 5)")
+    parser.add_argument("--eval-samples", type=int, default=8, help="samples per task at each evaluation (default 8)")
+    parser.add_argument("--eval-every", type=int, default=10, help="evaluation every N steps (default 10; always "
+                                                                  "before the first and after the last)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
@@ -101,23 +103,19 @@ def bootstrap(directory: Path, toolchain: int, quiet: bool) -> Path:
 
 
 def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int) -> dict:
+    """The LEAP run, measured by the trainer itself before the first step, every eval_every
+    steps and after the last: held-out tasks, and fresh samples of the training tasks."""
     from leap.clients import connect
     from leap.common.v1 import common_pb2
-    from leap.experiments.measure import list_tasks, measure
     from leap.experiments.runs import run_to_end
-    from leap.rollouts import derive_seed
     from leap.trainer.v1 import trainer_pb2
 
-    train_tasks = list_tasks(addresses["sandbox"], "train", toolchain)
-    measure_args = dict(toolchain=toolchain, samples=args.eval_samples, turns=args.max_turns,
-                        seed=derive_seed(args.seed, "demo", "train-tasks"))
-    say(f"measuring the model on fresh samples of the {len(train_tasks)} training tasks ...")
-    train_before = measure(addresses, "policy", model, train_tasks, **measure_args)
     config = trainer_pb2.RunConfig(
-        model_path=str(model.resolve()), steps=args.steps, tasks_per_step=min(args.tasks_per_step, len(train_tasks)),
+        model_path=str(model.resolve()), steps=args.steps, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, max_turns=args.max_turns, toolchain=toolchain, seed=args.seed,
-        eval_every=args.eval_every, eval_samples=args.eval_samples, checkpoint_every=max(1, args.steps // 2),
-        optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate), display_name="leap demo")
+        eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=True,
+        checkpoint_every=max(1, args.steps // 2), display_name="leap demo",
+        optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate))
     trainer = connect("trainer", addresses["trainer"], aio=False)
     started = time.perf_counter()
     try:
@@ -125,15 +123,13 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
                               postfix_keys=("pass_at_1/turn_1", "expanded_share", "loss"))
     finally:
         trainer.channel.close()
-    seconds = time.perf_counter() - started
-    say("measuring the trained model on the same training tasks, with the same samples' seeds ...")
-    train_after = measure(addresses, "policy", model, train_tasks, **measure_args)
     train_events = [dict(e.values) for e in finished.of_kind("train")]
+    measured = {key: finished.evaluations(prefix) for key, prefix in (("held_out", ""), ("train_tasks", "train_tasks/"))}
     return {
-        "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": seconds,
+        "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": time.perf_counter() - started,
         "steps": args.steps, "turns": args.max_turns, "model": str(model),
-        "held_out": {"before": finished.first_eval(), "after": finished.last_eval()},
-        "train_tasks": {"before": train_before.metrics(), "after": train_after.metrics()},
+        **{key: {"before": evals[0], "after": evals[-1]} if evals else {"before": {}, "after": {}}
+           for key, evals in measured.items()},
         "sandbox_evaluations": sum(v.get("sandbox/evaluations", 0.0) for v in train_events),
         "sandbox_evaluations_saved": sum(v.get("sandbox/evaluations_saved", 0.0) for v in train_events),
         "expanded_share": sum(v.get("expanded_share", 0.0) for v in train_events) / max(1, len(train_events)),
@@ -144,7 +140,7 @@ def format_report(report: dict) -> str:
     turns = report["turns"]
     lines = [f"LEAP demo: {report['steps']} steps in {report['seconds'] / 60:.1f} min (run {report['run_id']})", "",
              f"{'':34}{'before':>8}{'after':>8}{'change':>9}"]
-    for label, key in (("held-out tasks", "held_out"), ("training tasks, fresh samples", "train_tasks")):
+    for label, key in (("training tasks, fresh samples", "train_tasks"), ("held-out tasks", "held_out")):
         before, after = report[key]["before"], report[key]["after"]
         if not before:
             continue

@@ -3,8 +3,8 @@ the same initial weights, each later round redirected toward the training tasks 
 does not cover yet; TU-OPD then distils the union into one student, on the student's own
 samples, once per ablation (CRD, plain consensus, no reliability gating, no quality
 weighting, single best teacher). Every model — the initial one, each teacher, each student
-— is then measured by one evaluator with one seed on the held-out tasks, and the command
-writes a table and a plot.
+— is then measured by one evaluator with one seed on fresh samples of the training tasks and
+on the held-out tasks, and the command writes a table and a plot.
 
 The seed paper reports the student beating its strongest teacher by 2.0%, 8.3% and 6.9%
 (relative) on math, code and instruction following; this command reports what this machine
@@ -133,9 +133,13 @@ def distil(args, addresses: dict[str, str], model: Path, toolchain: int, union, 
     return name
 
 
+TASK_SETS = {"train": "training tasks (fresh samples)", "heldout": "held-out tasks"}
+
+
 def measure_all(args, addresses: dict[str, str], model: Path, toolchain: int, union, students: dict[str, str]) -> dict:
-    """Held-out pass@1 (turn 1) of every model by one evaluator with one seed; per-task pass
-    rates of the teachers give the union's held-out coverage and best-of-union pass@1."""
+    """pass@1 (first turn) of every model on fresh samples of the training tasks and on the
+    held-out tasks, by one evaluator with one seed per task set; the teachers' per-task pass
+    rates give the union's best-of-teachers pass@1 and coverage on each set."""
     from leap.clients import connect
     from leap.commands.demo import say
     from leap.experiments.measure import list_tasks, measure
@@ -148,49 +152,60 @@ def measure_all(args, addresses: dict[str, str], model: Path, toolchain: int, un
         if name not in served:
             policy.LoadModel(policy_pb2.LoadModelRequest(name=name, path=path), timeout=600)
     policy.channel.close()
-    held_out = list_tasks(addresses["sandbox"], "heldout", toolchain)
-    say(f"measuring every model on the {len(held_out)} held-out tasks ({args.eval_samples} samples each) ...")
-    seed = derive_seed(args.seed, "expand-compress", "held-out")
-    reports = {name: measure(addresses, name, model, held_out, toolchain=toolchain, samples=args.eval_samples, turns=1,
-                             seed=seed)
-               for name in ["initial", *[t.name for t in union.teachers], *students.values()]}
-    teacher_rates = [reports[t.name].pass_rates() for t in union.teachers]
-    best = {task.id: max(rates[task.id] for rates in teacher_rates) for task in held_out}
-    return {
-        "pass_at_1": {name: r.metrics()["pass_at_1/turn_1"] for name, r in reports.items()},
-        "teachers": [t.name for t in union.teachers],
-        "students": students,
-        "union": {"train_coverage_by_round": list(union.coverage_by_round), "tau": union.tau,
-                  "held_out_coverage": sum(q >= union.tau for q in best.values()) / max(1, len(best)),
-                  "held_out_best_of_union": sum(best.values()) / max(1, len(best)),
-                  "path": union.path},
-        "per_task": {name: r.pass_rates() for name, r in reports.items()},
-    }
+    models = ["initial", *[t.name for t in union.teachers], *students.values()]
+    results: dict = {"teachers": [t.name for t in union.teachers], "students": students, "tau": union.tau,
+                     "train_coverage_by_round": list(union.coverage_by_round), "union_path": union.path, "sets": {}}
+    for split, label in TASK_SETS.items():
+        tasks = list_tasks(addresses["sandbox"], split, toolchain)
+        say(f"measuring {len(models)} models on the {len(tasks)} {label} ({args.eval_samples} samples each) ...")
+        seed = derive_seed(args.seed, "expand-compress", split)
+        reports = {name: measure(addresses, name, model, tasks, toolchain=toolchain, samples=args.eval_samples, turns=1,
+                                 seed=seed) for name in models}
+        best = {t.id: max(reports[name].pass_rates()[t.id] for name in results["teachers"]) for t in tasks}
+        results["sets"][split] = {
+            "pass_at_1": {name: r.metrics()["pass_at_1/turn_1"] for name, r in reports.items()},
+            "best_of_union": sum(best.values()) / max(1, len(best)),
+            "coverage": sum(q >= union.tau for q in best.values()) / max(1, len(best)),
+            "per_task": {name: r.pass_rates() for name, r in reports.items()},
+        }
+    return results
 
 
 def report(args, results: dict, out: Path) -> None:
     from leap.commands.demo import say
 
-    rates = results["pass_at_1"]
-    strongest = max(results["teachers"], key=lambda t: rates[t])
-    top = rates[strongest]
     lines = [f"# Expand then compress: R={args.rounds} rounds x {args.steps_per_round} RGRPO steps, "
-             f"{args.distill_steps} TU-OPD steps per student, seed {args.seed}", "",
-             "| model | held-out pass@1 | vs strongest teacher |", "|---|---|---|"]
-    for name, value in rates.items():
-        relative = f"{(value - top) / top:+.1%}" if top > 0 else "n/a"
-        lines.append(f"| {name} | {value:.3f} | {relative} |")
-    union = results["union"]
-    lines += ["", f"Union: coverage of the training tasks by round "
-                  + ", ".join(f"{c:.2f}" for c in union["train_coverage_by_round"])
-                  + f"; of the held-out tasks {union['held_out_coverage']:.2f} (tau {union['tau']:g}); "
-                  f"best-of-union held-out pass@1 {union['held_out_best_of_union']:.3f}."]
-    crd = rates.get(results["students"].get("crd", ""), None)
-    if crd is not None and top > 0:
-        verdict = "beats" if crd > top else ("matches" if crd == top else "trails")
-        lines.append(f"The CRD student {verdict} its strongest teacher ({strongest}) by {(crd - top) / top:+.1%} relative "
-                     "(paper: +2.0% math, +8.3% code, +6.9% instruction following).")
-    plot = plot_bars(rates, out / "expand_compress.png")
+             f"{args.distill_steps} TU-OPD steps per student, seed {args.seed}", ""]
+    header, rule = "| model |", "|---|"
+    for split in TASK_SETS:
+        header += f" {split} pass@1 | vs strongest teacher |"
+        rule += "---|---|"
+    lines += [header, rule]
+    strongest = {split: max(results["teachers"], key=lambda t: results["sets"][split]["pass_at_1"][t])
+                 for split in TASK_SETS}
+    for name in results["sets"]["train"]["pass_at_1"]:
+        row = f"| {name} |"
+        for split in TASK_SETS:
+            rates = results["sets"][split]["pass_at_1"]
+            top = rates[strongest[split]]
+            row += f" {rates[name]:.3f} | {(rates[name] - top) / top:+.1%} |" if top > 0 else f" {rates[name]:.3f} | n/a |"
+        lines.append(row)
+    lines.append("")
+    lines.append("Union (tau {:g}): coverage of the training tasks after each round {} (RGRPO's own measurement); "
+                 "best-of-teachers pass@1 {}.".format(
+                     results["tau"], ", ".join(f"{c:.2f}" for c in results["train_coverage_by_round"]),
+                     ", ".join(f"{split} {results['sets'][split]['best_of_union']:.3f} "
+                               f"(coverage {results['sets'][split]['coverage']:.2f})" for split in TASK_SETS)))
+    crd = results["students"].get("crd")
+    for split, label in TASK_SETS.items():
+        rates = results["sets"][split]["pass_at_1"]
+        top = rates[strongest[split]]
+        if crd and top > 0:
+            gain = (rates[crd] - top) / top
+            verdict = "beats" if gain > 0 else ("matches" if gain == 0 else "trails")
+            lines.append(f"On the {label} the CRD student {verdict} its strongest teacher ({strongest[split]}): "
+                         f"{gain:+.1%} relative (paper: +2.0% math, +8.3% code, +6.9% instruction following).")
+    plot = plot_bars({split: results["sets"][split]["pass_at_1"] for split in TASK_SETS}, out / "expand_compress.png")
     lines += ["", f"plot: {plot}"]
     text = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
@@ -199,19 +214,23 @@ def report(args, results: dict, out: Path) -> None:
     say("\n" + text + f"\nreport: {out / 'report.md'}")
 
 
-def plot_bars(rates: dict[str, float], path: Path) -> Path:
+def plot_bars(rates_by_set: dict[str, dict[str, float]], path: Path) -> Path:
+    """One panel per task set: a bar per model (grey: initial, blue: teachers, orange: students)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(1.2 * len(rates) + 2, 3.6))
-    colors = ["#999999" if n == "initial" else "#4c72b0" if n.startswith("teacher") else "#dd8452" for n in rates]
-    axis.bar(list(rates), list(rates.values()), color=colors)
-    axis.set_ylabel("held-out pass@1")
-    axis.set_title("initial model, RGRPO teachers, TU-OPD students")
-    axis.tick_params(axis="x", rotation=30)
-    axis.grid(axis="y", alpha=0.3)
+    count = len(next(iter(rates_by_set.values())))
+    figure, axes = plt.subplots(1, len(rates_by_set), figsize=(2 + 1.1 * count * len(rates_by_set), 3.8), squeeze=False)
+    for axis, (split, rates) in zip(axes[0], rates_by_set.items()):
+        colors = ["#999999" if n == "initial" else "#4c72b0" if n.startswith("teacher") else "#dd8452" for n in rates]
+        axis.bar(list(rates), list(rates.values()), color=colors)
+        axis.set_title(TASK_SETS[split])
+        axis.set_ylabel("pass@1")
+        axis.tick_params(axis="x", rotation=35)
+        axis.grid(axis="y", alpha=0.3)
+    figure.suptitle("initial model, RGRPO teachers, TU-OPD students")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -66,8 +66,15 @@ def summarize(name: str, events: Sequence[Mapping], metrics: Sequence[str], targ
                    cost_to_reach(curve(events, target_metric), target))
 
 
+def label(metric: str) -> str:
+    """'train_tasks/pass_at_1/turn_3' -> 'training tasks pass@1, turn 3'; unprefixed metrics are held-out."""
+    where, _, name = metric.rpartition("pass_at_1/") if "pass_at_1/" in metric else ("", "", metric)
+    turn = name.replace("turn_", "turn ")
+    return f"{'training tasks' if where.startswith('train_tasks') else 'held-out'} pass@1, {turn}"
+
+
 def markdown_table(summaries: Sequence[Summary], metrics: Sequence[str], target_label: str) -> str:
-    header = ["run", *[m.replace("pass_at_1/", "pass@1 ") for m in metrics], "sandbox evals", "train s",
+    header = ["run", *[label(m) for m in metrics], "sandbox evals", "train s",
               "expanded", f"evals to {target_label}", f"s to {target_label}"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
@@ -88,14 +95,14 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping]], metrics: Sequence[str], p
 
     figure, axes = plt.subplots(len(metrics), 2, figsize=(11, 3.4 * len(metrics)), squeeze=False)
     for row, metric in enumerate(metrics):
-        for column, (x, label) in enumerate(((lambda p: p.evaluations, "sandbox evaluations (training)"),
-                                              (lambda p: p.seconds, "wall-clock seconds (training)"))):
+        for column, (x, x_label) in enumerate(((lambda p: p.evaluations, "sandbox evaluations (training)"),
+                                                (lambda p: p.seconds, "wall-clock seconds (training)"))):
             axis = axes[row][column]
             for name, events in runs.items():
                 points = curve(events, metric)
                 axis.plot([x(p) for p in points], [p.accuracy for p in points], marker="o", markersize=3, label=name)
-            axis.set_xlabel(label)
-            axis.set_ylabel(f"held-out {metric.replace('pass_at_1/', 'pass@1 ')}")
+            axis.set_xlabel(x_label)
+            axis.set_ylabel(label(metric))
             axis.grid(alpha=0.3)
             axis.legend(fontsize=8)
     if title:

@@ -27,13 +27,14 @@ class FinishedRun:
     def of_kind(self, kind: str) -> list[common_pb2.MetricEvent]:
         return [e for e in self.events if e.kind == kind]
 
-    def first_eval(self) -> dict[str, float]:
-        evals = [e for e in self.of_kind("eval") if "pass_at_1/turn_1" in e.values]
-        return dict(evals[0].values) if evals else {}
-
-    def last_eval(self) -> dict[str, float]:
-        evals = [e for e in self.of_kind("eval") if "pass_at_1/turn_1" in e.values]
-        return dict(evals[-1].values) if evals else {}
+    def evaluations(self, prefix: str = "") -> list[dict[str, float]]:
+        """The values of every evaluation of a task set (held-out: prefix ""; the training
+        tasks: "train_tasks/"), in order, with the prefix removed."""
+        found = []
+        for event in self.of_kind("eval"):
+            if prefix + "pass_at_1/turn_1" in event.values:
+                found.append({k[len(prefix):]: v for k, v in event.values.items() if k.startswith(prefix)})
+        return found
 
 
 def run_to_end(stub, messages: ModuleType, config, label: str, progress: bool = True,
@@ -53,10 +54,12 @@ def run_to_end(stub, messages: ModuleType, config, label: str, progress: bool = 
                 bar.update(max(0, event.step - bar.n))
                 bar.set_postfix({k.split("/")[-1] if "/" in k else k: f"{event.values[k]:.2f}"
                                  for k in postfix_keys if k in event.values}, refresh=False)
-            elif event.kind == "eval" and "pass_at_1/turn_1" in event.values:
-                bar.write(f"  {label} step {event.step}: held-out pass@1 "
-                          + " ".join(f"turn {t}: {event.values[f'pass_at_1/turn_{t}']:.2f}"
-                                     for t in range(1, 10) if f"pass_at_1/turn_{t}" in event.values))
+            elif event.kind == "eval":
+                for prefix, name in (("", "held-out"), ("train_tasks/", "training tasks")):
+                    turns = [f"turn {t}: {event.values[f'{prefix}pass_at_1/turn_{t}']:.2f}" for t in range(1, 10)
+                             if f"{prefix}pass_at_1/turn_{t}" in event.values]
+                    if turns:
+                        bar.write(f"  {label} step {event.step}: {name} pass@1 " + " ".join(turns))
             if event.kind == "state" and event.state in TERMINAL:
                 break
     final = stub.GetRun(messages.GetRunRequest(run_id=run.run_id), timeout=60).run

@@ -25,7 +25,10 @@ SCALAR_KINDS = ("train", "eval")
 # Curves of the PNG: a panel per group, each group's keys drawn when present.
 DEFAULT_PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("held-out pass@1 by turn", [("eval", "pass_at_1/turn_1"), ("eval", "pass_at_1/turn_2"), ("eval", "pass_at_1/turn_3")]),
-    ("train pass@1 by turn", [("train", "pass_at_1/turn_1"), ("train", "pass_at_1/turn_2"), ("train", "pass_at_1/turn_3")]),
+    ("training tasks pass@1 by turn (fresh samples)", [("eval", "train_tasks/pass_at_1/turn_1"),
+                                                        ("eval", "train_tasks/pass_at_1/turn_2"),
+                                                        ("eval", "train_tasks/pass_at_1/turn_3")]),
+    ("rollouts pass@1 by turn", [("train", "pass_at_1/turn_1"), ("train", "pass_at_1/turn_2"), ("train", "pass_at_1/turn_3")]),
     ("loss", [("train", "loss")]),
     ("reward", [("train", "reward_mean"), ("train", "reward_std")]),
     ("expanded share", [("train", "expanded_share")]),

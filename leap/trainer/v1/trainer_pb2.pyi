@@ -225,6 +225,7 @@ class RunConfig(_message.Message):
     SANDBOX_SIZE_FIELD_NUMBER: _builtins.int
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     EVAL_TURNS_FIELD_NUMBER: _builtins.int
+    EVAL_TRAIN_TASKS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Local Hugging Face model directory of the initial policy. Required."""
     policy_model: _builtins.str
@@ -259,6 +260,11 @@ class RunConfig(_message.Message):
     """Turns per held-out sample: each unsolved sample gets debugging turns with the verdict's
     feedback, up to this many in all. Default: max_turns, and 3 in single-turn mode, so runs
     of every mode are measured the same way.
+    """
+    eval_train_tasks: _builtins.bool
+    """At each evaluation, also measure the training tasks on fresh samples (a seed no training
+    rollout uses), with the same samples and turns; their metrics are prefixed "train_tasks/".
+    What RL improves first is the tasks it trains on; held-out tasks show what carries over.
     """
     @_builtins.property
     def services(self) -> Global___ServiceAddresses:
@@ -324,10 +330,11 @@ class RunConfig(_message.Message):
         sandbox_size: _builtins.str = ...,
         display_name: _builtins.str = ...,
         eval_turns: _builtins.int = ...,
+        eval_train_tasks: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gate", b"gate", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_turns", b"eval_turns", "gate", b"gate", "group_size", b"group_size", "loss", b"loss", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "gate", b"gate", "group_size", b"group_size", "loss", b"loss", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,77 @@
+"""The commands a person runs first: `leap demo` (the README's main job), `leap
+dcp-experiment` and `leap expand-compress`, as real `leap` processes that start their own
+stack on free loopback ports. Sizes are the smallest that go through every stage (one step,
+tiny groups, the bootstrapped tiny model given with --model so nothing is built); the real
+runs and their figures are in the README."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, subprocess_env
+
+SMALL = ["--steps", "1", "--tasks-per-step", "2", "--group-size", "2", "--max-turns", "2", "--eval-samples", "1",
+         "--quiet"]
+
+
+def leap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "leap", *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["demo", "--steps", "0"], "--steps must be at least 1"),
+    (["demo", "--group-size", "1"], "--group-size must be at least 2"),
+    (["demo", "--model", "/no/such/model"], "--model: '/no/such/model' is not a directory"),
+    (["dcp-experiment", "--modes", "leap,fast"], "--modes: choose from leap, multiturn, single"),
+    (["expand-compress", "--ablations", "crd,magic"], "--ablations: choose from crd, consensus"),
+    (["expand-compress", "--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_a_mistyped_option_is_one_friendly_line(args, words):
+    done = leap(*args, timeout=60)
+    assert done.returncode == 2 and words in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path):
+    done = leap("demo", "--model", str(tiny_model_dir), "--out", str(tmp_path), *SMALL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    for key in ("train_tasks", "held_out"):
+        assert {"pass_at_1/turn_1", "pass_at_1/turn_2", "pass_at_k/turn_2"} <= set(report[key]["after"])
+    assert report["steps"] == 1 and report["sandbox_evaluations"] >= 4
+    run_dir = Path(report["output_dir"])
+    assert (run_dir / "metrics.png").is_file() and (run_dir / "rollouts" / "step-00000001.jsonl").is_file()
+    text = (tmp_path / "report.txt").read_text()
+    assert "training tasks, fresh samples" in text and "held-out tasks" in text and str(run_dir) in text
+    assert text in done.stdout
+
+
+@pytest.mark.slow
+def test_the_dcp_experiment_compares_modes_in_a_table_and_a_plot(tiny_model_dir, tmp_path):
+    done = leap("dcp-experiment", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--modes", "leap,single",
+                *SMALL)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "report.json").read_text())
+    assert set(summary) == {"leap", "single"}
+    assert summary["single"]["expanded_share"] == 0.0 and summary["leap"]["evaluations"] > 0
+    assert (tmp_path / "dcp.png").is_file() and "| leap |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_expand_compress_trains_teachers_distils_a_student_and_measures_all(tiny_model_dir, tmp_path):
+    done = leap("expand-compress", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--rounds", "1",
+                "--steps-per-round", "1", "--distill-steps", "1", "--ablations", "crd", "--tasks-per-step", "2",
+                "--group-size", "2", "--max-turns", "2", "--eval-samples", "2", "--quiet")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "report.json").read_text())
+    assert results["teachers"] == ["teacher-1"] and results["students"] == {"crd": "student-crd"}
+    for split in ("train", "heldout"):
+        assert set(results["sets"][split]["pass_at_1"]) == {"initial", "teacher-1", "student-crd"}
+    assert (tmp_path / "expand_compress.png").is_file()
