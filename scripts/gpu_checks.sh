@@ -4,6 +4,8 @@
 #   environment.txt   nvidia-smi, nvcc, torch and the sandbox's own view of the devices
 #   gpu-tests.txt     pytest -m gpu (junit XML beside it)
 #   bench.txt         the GPU part of benchmarks/bench_sandbox.py (results.json in bench/)
+#   demo.txt          `leap demo` for two steps: the LEAP loop on the cuda toolchain, the learner
+#                     in bf16 autocast on the GPU (report.json in demo/)
 # Exit status: that of the tests.
 #
 #   scripts/gpu_checks.sh runs/gpu-checks
@@ -34,4 +36,7 @@ timeout 480 "$python" -m pytest -m gpu tests -q -rA -p no:cacheprovider --junitx
 status=${PIPESTATUS[0]}
 
 timeout 300 "$python" benchmarks/bench_sandbox.py --gpu-only --out "$out/bench" 2>&1 | tee "$out/bench.txt"
+
+timeout 420 "$python" -m leap demo --steps 2 --tasks-per-step 4 --eval-samples 2 --quiet --out "$out/demo" 2>&1 \
+  | tee "$out/demo.txt"
 exit "$status"

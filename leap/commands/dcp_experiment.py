@@ -19,20 +19,13 @@ MODES = {"leap": "TRAIN_MODE_LEAP", "multiturn": "TRAIN_MODE_MULTITURN", "single
 
 
 def add_parser(subparsers) -> None:
+    from leap.commands.demo import add_training_options
+
     parser = subparsers.add_parser("dcp-experiment", help="compare LEAP, unpruned multi-turn and single-turn training",
                                    description=__doc__)
     parser.add_argument("--out", default="runs/dcp-experiment", help="output directory (default runs/dcp-experiment)")
-    parser.add_argument("--model", metavar="DIR", help="model directory to train (default: the bootstrapped tiny model)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (default all)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per mode (default 20)")
-    parser.add_argument("--tasks-per-step", type=int, default=8, help="B (default 8)")
-    parser.add_argument("--group-size", type=int, default=8, help="G (default 8)")
-    parser.add_argument("--max-turns", type=int, default=3, help="K, and the turns of every held-out evaluation (default 3)")
-    parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
-    parser.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N steps (default 5)")
-    parser.add_argument("--eval-samples", type=int, default=8, help="samples per task at each evaluation (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="the seed every mode shares (default 0)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_training_options(parser, eval_every=5)
     parser.set_defaults(func=run)
 
 

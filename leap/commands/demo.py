@@ -20,19 +20,25 @@ def add_parser(subparsers) -> None:
                                    description=__doc__)
     parser.add_argument("--out", default="runs/demo", help="where the model, the services' state and the run go "
                                                            "(default runs/demo)")
+    add_training_options(parser, eval_every=10)
+    parser.set_defaults(func=run)
+
+
+def add_training_options(parser, *, eval_every: int) -> None:
+    """The options `leap demo` and `leap dcp-experiment` share."""
     parser.add_argument("--model", metavar="DIR", help="a Hugging Face model directory to train instead of the "
                                                        "bootstrapped tiny model")
     parser.add_argument("--steps", type=int, default=20, help="LEAP steps (default 20)")
     parser.add_argument("--tasks-per-step", type=int, default=8, help="tasks per step, B (default 8)")
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per task, G (default 8)")
-    parser.add_argument("--max-turns", type=int, default=3, help="turns for expanded groups, K (default 3)")
+    parser.add_argument("--max-turns", type=int, default=3, help="turns for expanded groups, K, and the turns of every "
+                                                                "evaluation (default 3)")
     parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per task at each evaluation (default 8)")
-    parser.add_argument("--eval-every", type=int, default=10, help="evaluation every N steps (default 10; always "
-                                                                  "before the first and after the last)")
+    parser.add_argument("--eval-every", type=int, default=eval_every,
+                        help=f"evaluation every N steps (default {eval_every}; always before the first and after the last)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.set_defaults(func=run)
 
 
 def check_args(args) -> None:

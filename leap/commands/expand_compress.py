@@ -221,6 +221,8 @@ def plot_bars(rates_by_set: dict[str, dict[str, float]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from leap.learning.metrics import save_figure
+
     count = len(next(iter(rates_by_set.values())))
     figure, axes = plt.subplots(1, len(rates_by_set), figsize=(2 + 1.1 * count * len(rates_by_set), 3.8), squeeze=False)
     for axis, (split, rates) in zip(axes[0], rates_by_set.items()):
@@ -230,9 +232,4 @@ def plot_bars(rates_by_set: dict[str, dict[str, float]], path: Path) -> Path:
         axis.set_ylabel("pass@1")
         axis.tick_params(axis="x", rotation=35)
         axis.grid(axis="y", alpha=0.3)
-    figure.suptitle("initial model, RGRPO teachers, TU-OPD students")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, "initial model, RGRPO teachers, TU-OPD students")

@@ -10,6 +10,8 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from leap.learning.metrics import save_figure
+
 EVALUATIONS = "sandbox/evaluations_total"
 SECONDS = "time/train_total_s"
 
@@ -105,11 +107,4 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping]], metrics: Sequence[str], p
             axis.set_ylabel(label(metric))
             axis.grid(alpha=0.3)
             axis.legend(fontsize=8)
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, title)

@@ -163,6 +163,13 @@ def plot_metrics(events: Sequence[dict[str, Any]], path: str | os.PathLike, *, t
         axis.legend(fontsize=7)
     for axis in list(axes.flat)[len(drawn):]:
         axis.axis("off")
+    return save_figure(figure, path, title)
+
+
+def save_figure(figure, path: str | os.PathLike, title: str = "") -> Path:
+    """Title, lay out, write as PNG (folders created) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     if title:
         figure.suptitle(title)
     figure.tight_layout()
