@@ -151,6 +151,7 @@ class Session:
     rollouts: Rollouts
     tasks: list[sandbox_pb2.Task]  # training tasks
     held_out: list[sandbox_pb2.Task]
+    learning: bool = False  # inside an update: the learner's state is no step's (no checkpoint then)
 
 
 @dataclasses.dataclass
@@ -280,9 +281,12 @@ class TrainingJob:
             for step in range(progress.step + 1, last + 1):
                 started = time.perf_counter()
                 values = await self.step(ctx, step, [by_id[n] for n in draw(step, progress)], session)
-                progress.step = step
+                progress.step = step  # the learner holds this step's update: a checkpoint now is this step's
                 progress.evaluations += int(values["sandbox/evaluations"])
-                progress.train_seconds += time.perf_counter() - started
+                values["time/sync_s"] = await self.push(session.services, session.learner)
+                values["weight_version"] = float(self.version)
+                values["time/step_s"] = time.perf_counter() - started
+                progress.train_seconds += values["time/step_s"]
                 values.update({"sandbox/evaluations_total": progress.evaluations, "time/train_total_s": progress.train_seconds})
                 ctx.emit("train", step, values)
                 if (c.eval_every and step % c.eval_every == 0) or step == last:
@@ -292,7 +296,7 @@ class TrainingJob:
                 if ctx.stop_requested():
                     return False
         except BaseException:
-            if progress.step > saved:  # keep the steps done: the run resumes after them
+            if progress.step > saved and not session.learning:  # keep the steps done: the run resumes after them
                 self.save(ctx, session.learner, progress)
             raise
         return True
@@ -308,7 +312,7 @@ class TrainingJob:
         path = plot_metrics(ctx.events(), ctx.output_dir / "metrics.png", title=self.config.display_name or ctx.run_id,
                             panels=panels)
         if path is not None:
-            ctx.emit("log", self.config.steps, {}, f"plot written to {path}")
+            ctx.emit("log", ctx.total_steps, {}, f"plot written to {path}")
 
     async def fetch_tasks(self, services: Services, task_ids: Sequence[str]) -> list[sandbox_pb2.Task]:
         replies = await asyncio.gather(*(services.call("sandbox", "GetTask", sandbox_pb2.GetTaskRequest(task_id=t))
@@ -371,14 +375,14 @@ class TrainingJob:
         values["sandbox/evaluations"] = float(rollouts.evaluations - evaluations)
         values["sandbox/evaluations_saved"] = float(gate.evaluations_saved())
         values.update(self.reward_stats(ranked))
-        values.update(self.learn(groups, ranked, learner))
-        sync_seconds = await self.push(services, learner)
         values.update({
             "time/generate_s": rollouts.generate_clock.take(), "time/evaluate_s": rollouts.evaluate_clock.take(),
-            "time/rollout_s": rollout_seconds, "time/sync_s": sync_seconds,
-            "time/step_s": time.perf_counter() - started, "weight_version": float(self.version),
+            "time/rollout_s": rollout_seconds,
             "tokens/generated": float(sum(len(t.completion_ids) for g in groups for e in g.episodes for t in e.turns)),
         })
+        session.learning = True  # from here until the update lands, the learner holds no step's state
+        values.update(self.learn(groups, ranked, learner))
+        session.learning = False
         return values
 
     async def play_group(self, step: int, index: int, task: sandbox_pb2.Task, rollouts: Rollouts,
