@@ -224,12 +224,13 @@ def plot_bars(rates_by_set: dict[str, dict[str, float]], path: Path) -> Path:
     from leap.learning.metrics import save_figure
 
     count = len(next(iter(rates_by_set.values())))
-    figure, axes = plt.subplots(1, len(rates_by_set), figsize=(2 + 1.1 * count * len(rates_by_set), 3.8), squeeze=False)
+    figure, axes = plt.subplots(1, len(rates_by_set), figsize=(1 + 0.75 * count * len(rates_by_set), 4), squeeze=False)
     for axis, (split, rates) in zip(axes[0], rates_by_set.items()):
         colors = ["#999999" if n == "initial" else "#4c72b0" if n.startswith("teacher") else "#dd8452" for n in rates]
         axis.bar(list(rates), list(rates.values()), color=colors)
         axis.set_title(TASK_SETS[split])
         axis.set_ylabel("pass@1")
+        axis.set_ylim(0, max(0.05, 1.15 * max(rates.values())))  # all-zero bars still show a 0-based axis
         axis.tick_params(axis="x", rotation=35)
         axis.grid(axis="y", alpha=0.3)
     return save_figure(figure, path, "initial model, RGRPO teachers, TU-OPD students")
