@@ -173,8 +173,15 @@ class Rollouts:
 
     async def judge(self, episodes: Sequence[Episode]) -> None:
         """Evaluate the last turn of each episode in one streamed batch; after a service
-        restart only the candidates still without a verdict are sent again."""
-        pending = dict(enumerate(episodes))
+        restart only the candidates still without a verdict are sent again. An empty answer
+        is judged here (FORMAT): the sandbox refuses empty sources as bad requests."""
+        for episode in episodes:
+            if not episode.last.text.strip():
+                episode.last.verdict = sandbox_pb2.Verdict(stage=Stage.STAGE_FORMAT, task_id=episode.task.id,
+                                                           message="the answer is empty")
+        pending = {i: e for i, e in enumerate(episodes) if e.last.verdict is None}
+        if not pending:
+            return
 
         async def stream() -> None:  # each try sends only what has no verdict yet
             order = list(pending)
