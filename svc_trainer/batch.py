@@ -104,7 +104,7 @@ def rollout_records(step: int, groups: Sequence[tuple[str, Sequence[Episode]]], 
                 "advantage": trajectory.advantage, "turn_advantages": list(trajectory.turn_advantages),
                 "solved_by_turn": correct_by_turn(episode.outcomes(), len(episode.turns)),
                 "turns": [{"stage": Stage.Name(t.outcome.stage), "speedup": t.outcome.speedup,
-                           "tokens": len(t.completion_ids), "text": t.text,
+                           "tokens": len(t.completion_ids), "weight_version": t.weight_version, "text": t.text,
                            "verdict": (t.verdict.message or t.verdict.runtime_error) if t.verdict else ""}
                           for t in episode.turns],
             }

@@ -325,19 +325,36 @@ class TrainingJob:
         """Make the policy serve the learner's current weights under the run's model name
         (loading the model first where the service does not have it), with a new version."""
         name = self.config.policy_model
-        try:
-            info = (await services.call("policy", "GetModel", policy_pb2.GetModelRequest(name=name))).model
-        except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            request = policy_pb2.LoadModelRequest(name=name, path=self.config.model_path)
-            info = (await services.call("policy", "LoadModel", request)).model
+        info = await self.served_model(services)
         if info.tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint(learner.tokenizer):
             raise RunFailure(f"the policy serves {name!r} from {info.path!r}, whose tokenizer differs from the one of "
                              f"model_path {self.config.model_path!r}: the run would train on tokens it did not sample")
         self.version = info.version
         await self.push(services, learner)
         return info
+
+    async def served_model(self, services: Services) -> policy_pb2.ModelInfo:
+        """The policy's description of the run's model, loading `model_path` under its name
+        where the service does not have it (a fresh or restarted service)."""
+        name = self.config.policy_model
+        try:
+            return (await services.call("policy", "GetModel", policy_pb2.GetModelRequest(name=name))).model
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        request = policy_pb2.LoadModelRequest(name=name, path=self.config.model_path)
+        return (await services.call("policy", "LoadModel", request)).model
+
+    async def keep_on_policy(self, ctx: RunContext, step: int, session: Session) -> None:
+        """Before a step samples: if the policy does not serve the version this run pushed
+        last (it restarted, or something else updated the model), send the learner's weights
+        again, so the step's rollouts come from the weights being trained."""
+        info = await self.served_model(session.services)
+        if info.version != self.version:
+            ctx.emit("log", step - 1, {}, f"the policy serves {self.config.policy_model!r} version {info.version}, not "
+                                          f"{self.version}: sending the learner's weights again")
+            self.version = info.version
+            await self.push(session.services, session.learner)
 
     async def push(self, services: Services, learner: Learner) -> float:
         """Send the learner's weights as the next version; returns the seconds it took."""
@@ -361,6 +378,7 @@ class TrainingJob:
     async def step(self, ctx: RunContext, step: int, tasks: list[sandbox_pb2.Task], session: Session) -> dict[str, float]:
         services, learner, rollouts = session.services, session.learner, session.rollouts
         started = time.perf_counter()
+        await self.keep_on_policy(ctx, step, session)
         rollouts.generate_clock.take()  # count this step's busy time only
         rollouts.evaluate_clock.take()
         evaluations = rollouts.evaluations

@@ -3,6 +3,7 @@ details, INTERNAL without tracebacks, message-size limits, health and graceful S
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -78,6 +79,46 @@ def test_oversized_message_is_resource_exhausted(server):
     with pytest.raises(grpc.RpcError) as caught:
         stub_for(server.address).Rank(rank("x" * (2 * 1024 * 1024)), timeout=10)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_calls_are_unavailable_until_on_start_is_done_but_health_answers():
+    """A restarted service accepts connections before its models are loaded: calls then get
+    UNAVAILABLE (clients retry it), never an answer from a servicer that is not ready."""
+    import dataclasses
+
+    release = threading.Event()
+
+    async def on_start() -> None:
+        while not release.is_set():
+            await asyncio.sleep(0.02)
+
+    service = dataclasses.replace(build_service(), on_start=on_start)
+    port = free_port()
+    server = BackgroundServer(service, ServerConfig(port=port, drain_seconds=0.0))
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        deadline = time.monotonic() + 30
+        while True:  # wait until the port answers at all
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the server never listened"
+                time.sleep(0.05)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as caught:
+            stub_for(address).Rank(rank("early"), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "starting" in caught.value.details()
+        release.set()
+        starter.join(30)
+        assert stub_for(address).Rank(rank("ready"), timeout=10).results[0].task_id == "ready"
+    finally:
+        release.set()
+        starter.join(30)
+        server.stop()
 
 
 def test_auth_rejects_missing_and_wrong_token_but_not_health():

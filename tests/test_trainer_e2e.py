@@ -236,3 +236,27 @@ def test_an_rgrpo_run_leaves_a_teacher_union_that_the_api_and_the_distiller_read
     assert [e.step for e in rounds] == [1, 2] and rounds[-1].values["rgrpo/coverage"] == union.coverage_by_round[-1]
     on_disk = TeacherUnion.read(union.path)  # what a distillation run reads: every teacher loadable
     assert on_disk.quality == tuple(map(tuple, rows)) and on_disk.toolchain == "cpu"
+
+
+def test_a_restarted_policy_is_sent_the_learners_weights_before_the_next_step(services, tiny_model_dir, tmp_path):
+    port = free_port()
+    serve_policy = lambda: leap_serve("policy", "--models", f"policy={tiny_model_dir}", port=port)  # noqa: E731
+    policy = contextlib.ExitStack()
+    address, process = policy.enter_context(serve_policy())
+    own = trainer_pb2.ServiceAddresses(policy=address, sandbox=services.sandbox, reward=services.reward)
+    with leap_serve("trainer", *trainer_flags(tmp_path / "runs", own, "--service-retry-seconds", "60")) as (trainer_address, _):
+        trainer = connect("trainer", trainer_address, aio=False)
+        run = start(trainer, small_config(tiny_model_dir, steps=2, tasks_per_step=1))
+        stream = trainer.StreamMetrics(trainer_pb2.StreamMetricsRequest(run_id=run.run_id), timeout=600)
+        first = next(r.event for r in stream if r.event.kind == "train")
+        os.killpg(process.pid, signal.SIGKILL)  # the policy forgets every update: it serves version 0 again
+        policy.close()
+        with serve_policy():
+            events = [first, *(r.event for r in stream)]
+        done = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
+    assert done.state == SUCCEEDED and done.step == 2, done.error
+    assert any("sending the learner's weights again" in e.message for e in events if e.kind == "log")
+    second = next(e for e in events if e.kind == "train" and e.step == 2)
+    records = [json.loads(line) for line in (Path(done.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
+    versions = {turn["weight_version"] for record in records for turn in record["turns"]}
+    assert versions == {second.values["weight_version"] - 1}  # sampled from the re-sent weights, not version 0

@@ -34,6 +34,10 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, auth_token: str = "", exempt_prefixes: tuple[str, ...] = ()):
         self.expected_auth = f"Bearer {auth_token}" if auth_token else ""
         self.exempt_prefixes = exempt_prefixes
+        # True until the service's on_start is done (models loaded, caches warm): calls other
+        # than health checks are then UNAVAILABLE, which clients retry, instead of reaching a
+        # servicer that is not ready (a restarted policy would answer NOT_FOUND for its model).
+        self.starting = True
 
     async def intercept_service(
         self,
@@ -51,19 +55,22 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         request_id = metadata.get(REQUEST_ID_KEY) or uuid.uuid4().hex
         previous = metadata.get(PREVIOUS_ATTEMPTS_KEY, "")
         attempt = 1 + int(previous) if previous.isdigit() else 1
-        call = _Call(method, request_id, authorized, quiet, attempt)
+        starting = self.starting and not method.startswith(self.exempt_prefixes)
+        call = _Call(method, request_id, authorized, quiet, attempt, starting)
         return _wrap(handler, call)
 
 
 class _Call:
     """Per-call bookkeeping: runs the behavior and logs how it ended."""
 
-    def __init__(self, method: str, request_id: str, authorized: bool, quiet: bool, attempt: int = 1):
+    def __init__(self, method: str, request_id: str, authorized: bool, quiet: bool, attempt: int = 1,
+                 starting: bool = False):
         self.method = method
         self.request_id = request_id
         self.authorized = authorized
         self.quiet = quiet
         self.attempt = attempt
+        self.starting = starting
 
     async def guard(self, context: grpc.aio.ServicerContext, body: Callable[[], Any]) -> AsyncIterator[Any]:
         """Run body (which yields responses) with auth, error mapping and logging."""
@@ -74,6 +81,9 @@ class _Call:
                 if not self.authorized:
                     code = grpc.StatusCode.UNAUTHENTICATED
                     await context.abort(code, "missing or wrong bearer token in the 'authorization' metadata")
+                if self.starting:
+                    code = grpc.StatusCode.UNAVAILABLE
+                    await context.abort(code, "the service is starting (its health check is not SERVING yet); retry")
                 async for item in body():
                     yield item
             except ServiceError as err:

@@ -98,10 +98,8 @@ class Server:
         self.config = config
         self.log = get_logger(f"leap.{service.name}")
         self.health = health.aio.HealthServicer()
-        self.grpc_server = grpc.aio.server(
-            interceptors=[CallInterceptor(config.auth_token, exempt_prefixes=(f"/{HEALTH_SERVICE}/",))],
-            options=server_options(config),
-        )
+        self.interceptor = CallInterceptor(config.auth_token, exempt_prefixes=(f"/{HEALTH_SERVICE}/",))
+        self.grpc_server = grpc.aio.server(interceptors=[self.interceptor], options=server_options(config))
         self.port = 0
         self._stopped = asyncio.Event()
         self._stop_requested = asyncio.Event()
@@ -133,6 +131,7 @@ class Server:
         await self.grpc_server.start()
         if self.service.on_start is not None:
             await self.service.on_start()
+        self.interceptor.starting = False
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.log.info("serving", address=self.address, services=names, tls=credentials is not None,
