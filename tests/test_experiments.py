@@ -61,3 +61,15 @@ def test_metric_labels_say_which_tasks():
 def test_the_plot_is_written(tmp_path):
     path = compare.plot_curves({"leap": LEAP, "multiturn": MULTI}, ["pass_at_1/turn_1"], tmp_path / "c.png", title="t")
     assert path.is_file() and path.stat().st_size > 1000
+
+
+def test_a_runs_evaluations_are_split_by_task_set():
+    from leap.common.v1 import common_pb2
+    from leap.experiments.runs import FinishedRun
+
+    both = common_pb2.MetricEvent(kind="eval", step=0, values={"pass_at_1/turn_1": 0.0, "train_tasks/pass_at_1/turn_1": 0.25,
+                                                               "time/eval_s": 3.0})
+    coverage = common_pb2.MetricEvent(kind="eval", step=5, values={"rgrpo/coverage": 0.5})
+    run = FinishedRun(run=None, events=[both, coverage, common_pb2.MetricEvent(kind="train", step=1)])
+    assert run.evaluations("train_tasks/") == [{"pass_at_1/turn_1": 0.25}]
+    assert run.evaluations() == [{"pass_at_1/turn_1": 0.0, "time/eval_s": 3.0}]

@@ -113,7 +113,7 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
     steps and after the last: held-out tasks, and fresh samples of the training tasks."""
     from leap.clients import connect
     from leap.common.v1 import common_pb2
-    from leap.experiments.runs import run_to_end
+    from leap.experiments.runs import TRAIN_TASKS, run_to_end
     from leap.trainer.v1 import trainer_pb2
 
     config = trainer_pb2.RunConfig(
@@ -130,7 +130,7 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
     finally:
         trainer.channel.close()
     train_events = [dict(e.values) for e in finished.of_kind("train")]
-    measured = {key: finished.evaluations(prefix) for key, prefix in (("held_out", ""), ("train_tasks", "train_tasks/"))}
+    measured = {key: finished.evaluations(prefix) for key, prefix in (("held_out", ""), ("train_tasks", TRAIN_TASKS))}
     return {
         "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": time.perf_counter() - started,
         "steps": args.steps, "turns": args.max_turns, "model": str(model),

@@ -10,6 +10,7 @@ from types import ModuleType
 from leap.common.v1 import common_pb2
 
 RunState = common_pb2.RunState
+TRAIN_TASKS = "train_tasks/"  # the prefix of the training tasks' evaluation metrics
 TERMINAL = (RunState.RUN_STATE_STOPPED, RunState.RUN_STATE_SUCCEEDED, RunState.RUN_STATE_FAILED)
 
 
@@ -33,7 +34,8 @@ class FinishedRun:
         found = []
         for event in self.of_kind("eval"):
             if prefix + "pass_at_1/turn_1" in event.values:
-                found.append({k[len(prefix):]: v for k, v in event.values.items() if k.startswith(prefix)})
+                found.append({k[len(prefix):]: v for k, v in event.values.items()
+                              if k.startswith(prefix) and (prefix or not k.startswith(TRAIN_TASKS))})
         return found
 
 
