@@ -91,7 +91,7 @@ async def play(rollouts: Rollouts, task: sandbox_pb2.Task, samples: int, turns: 
     """`samples` episodes of one task, each unsolved one debugged up to `turns` turns in all."""
     episodes = await rollouts.first_turns(task, samples, derive_seed(seed, task.id, 1))
     for turn in range(2, turns + 1):
-        unsolved = [e for e in episodes if not e.solved and rollouts.can_continue(e)]
+        unsolved = [e for e in episodes if not e.solved and not e.out_of_context]
         if not unsolved:
             break
         await rollouts.next_turns(unsolved, derive_seed(seed, task.id, turn))

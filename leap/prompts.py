@@ -160,23 +160,32 @@ def continuation_text(tokenizer, history: Sequence[ChatMessage], message: ChatMe
     return after[len(before):]
 
 
-def continuation_ids(tokenizer, history: Sequence[ChatMessage], message: ChatMessage, *, closed: bool) -> list[int]:
+ANSWER_PLACEHOLDER = "LEAP-ANSWER-PLACEHOLDER"  # no spaces or newlines: templates that trim keep it whole
+
+
+def answer_closing(tokenizer, history: Sequence[ChatMessage]) -> str:
+    """What the chat template renders after the content of an assistant answer that follows
+    `history` (for example "<|end|>", or "<|im_end|>\n")."""
+    rendered = tokenizer.apply_chat_template(as_dicts([*history, assistant(ANSWER_PLACEHOLDER)]), tokenize=False,
+                                             add_generation_prompt=False)
+    return rendered[rendered.rindex(ANSWER_PLACEHOLDER) + len(ANSWER_PLACEHOLDER):]
+
+
+def continuation_ids(tokenizer, history: Sequence[ChatMessage], message: ChatMessage, *, end_text: str | None) -> list[int]:
     """Token ids to append after the sampled tokens of the last assistant turn of `history`
     so the result is the whole dialogue with `message` added, ready for the next answer.
 
-    `closed` says whether the sampled tokens ended with the end-of-turn token. The template
-    may render more after that token (a newline, say) and the sampler never produced it; a
-    turn cut at max tokens lacks the end-of-turn token itself. Both are supplied here as
-    text, so a multi-turn rollout keeps every sampled token and the learner scores the very
-    tokens the sampler saw.
+    `end_text` is the text of the token that ended the sampled answer (its end-of-turn
+    token), or None when the answer was cut at max tokens. The template's closing of an
+    answer may render more after that token (a newline, say), which the sampler never
+    produced; a cut answer lacks the end-of-turn token itself. Both are supplied here as text,
+    so a multi-turn rollout keeps every sampled token and the learner scores the very tokens
+    the sampler saw.
     """
-    rendered = tokenizer.apply_chat_template(as_dicts(history), tokenize=False, add_generation_prompt=False)
-    content = history[-1].content
-    closing = rendered[rendered.rindex(content) + len(content):] if content else ""
-    end_text = tokenizer.eos_token or ""
-    if closed and end_text and closing.startswith(end_text):
-        closing = closing[len(end_text):]
-    elif closed:
-        closing = ""  # the template's closing is not the end-of-turn token: trust the sampler's stop
+    closing = answer_closing(tokenizer, history[:-1])
+    if end_text is not None:
+        # ended by the template's own end-of-turn token: what follows it; by another stop
+        # token the template does not render: nothing (trust the sampler's stop)
+        closing = closing[len(end_text):] if closing.startswith(end_text) else ""
     text = closing + continuation_text(tokenizer, history, message)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -49,7 +49,7 @@ class Turn:
     completion_ids: list[int]  # what it sampled (the end-of-turn token included when it ended the turn)
     sampler_logprobs: list[float]  # the sampler's logprob of each completion token
     text: str
-    closed: bool  # ended by an end-of-sequence token (not cut at max_new_tokens)
+    end_token_id: int | None  # the token that ended the answer (end of turn); None when cut at max_new_tokens
     weight_version: int
     verdict: sandbox_pb2.Verdict | None = None
 
@@ -68,6 +68,7 @@ class Episode:
     sample: int
     messages: list[common_pb2.ChatMessage]  # the dialogue as text (for the template), last turn's prompt
     turns: list[Turn] = dataclasses.field(default_factory=list)
+    out_of_context: bool = False  # another turn would not fit the model's context: the episode ends here
 
     @property
     def last(self) -> Turn:
@@ -203,9 +204,10 @@ class Rollouts:
     # --- turns ------------------------------------------------------------------------------
 
     def _turn(self, completion: policy_pb2.Completion, prompt_ids: list[int]) -> Turn:
+        ended = completion.finish_reason == FinishReason.FINISH_REASON_STOP and len(completion.token_ids) > 0
         return Turn(prompt_ids=prompt_ids, completion_ids=list(completion.token_ids),
                     sampler_logprobs=list(completion.logprobs), text=completion.text,
-                    closed=completion.finish_reason == FinishReason.FINISH_REASON_STOP,
+                    end_token_id=completion.token_ids[-1] if ended else None,
                     weight_version=completion.weight_version)
 
     async def first_turns(self, task: sandbox_pb2.Task, n: int, seed: int) -> list[Episode]:
@@ -221,30 +223,38 @@ class Rollouts:
         await self.judge(episodes)
         return episodes
 
-    def can_continue(self, episode: Episode) -> bool:
-        """Whether another turn fits the model's context (prompt so far, feedback, an answer)."""
-        if not self.max_context_tokens:
-            return True
-        used = len(episode.last.prompt_ids) + len(episode.last.completion_ids)
-        return used + prompts.FEEDBACK_MAX_CHARS // 2 + self.sampling.max_new_tokens <= self.max_context_tokens
+    def next_prompt(self, episode: Episode) -> list[int] | None:
+        """The token ids of the episode's next turn (everything so far, then the feedback on
+        its last verdict), or None when they and an answer would not fit the model's context."""
+        last = episode.last
+        history = [*episode.messages, prompts.assistant(last.text)]
+        feedback = prompts.user(prompts.feedback(last.verdict or sandbox_pb2.Verdict()))
+        end_text = self.tokenizer.decode([last.end_token_id]) if last.end_token_id is not None else None
+        ids = last.prompt_ids + last.completion_ids + prompts.continuation_ids(self.tokenizer, history, feedback,
+                                                                               end_text=end_text)
+        if self.max_context_tokens and len(ids) + self.sampling.max_new_tokens > self.max_context_tokens:
+            return None
+        episode.messages = [*history, feedback]
+        return ids
 
-    async def next_turns(self, episodes: Sequence[Episode], seed: int) -> None:
-        """One more turn for each episode: the feedback on its last verdict, a new answer
-        (one sample each, in one Generate call), judged."""
-        if not episodes:
-            return
-        requests = []
+    async def next_turns(self, episodes: Sequence[Episode], seed: int) -> list[Episode]:
+        """One more turn for each episode that has room for it: the feedback on its last
+        verdict, a new answer (one sample each, in one Generate call), judged. Episodes
+        without room are marked out_of_context. Returns the episodes that got a turn."""
+        requests: list[tuple[Episode, list[int]]] = []
         for episode in episodes:
-            last = episode.last
-            history = [*episode.messages, prompts.assistant(last.text)]
-            feedback = prompts.user(prompts.feedback(last.verdict or sandbox_pb2.Verdict()))
-            ids = last.prompt_ids + last.completion_ids + prompts.continuation_ids(
-                self.tokenizer, history, feedback, closed=last.closed)
-            episode.messages = [*history, feedback]
-            requests.append(ids)
-        completions = await self._generate([policy_pb2.Prompt(token_ids=policy_pb2.TokenIds(ids=ids)) for ids in requests],
+            ids = self.next_prompt(episode)
+            if ids is None:
+                episode.out_of_context = True
+            else:
+                requests.append((episode, ids))
+        if not requests:
+            return []
+        completions = await self._generate([policy_pb2.Prompt(token_ids=policy_pb2.TokenIds(ids=ids)) for _, ids in requests],
                                            1, seed)
         for completion in completions:
-            episode = episodes[completion.prompt_index]
-            episode.turns.append(self._turn(completion, requests[completion.prompt_index]))
-        await self.judge(episodes)
+            episode, ids = requests[completion.prompt_index]
+            episode.turns.append(self._turn(completion, ids))
+        played = [episode for episode, _ in requests]
+        await self.judge(played)
+        return played

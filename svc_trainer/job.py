@@ -13,8 +13,9 @@ Per step (DESIGN.md "The LEAP step"):
 
 Held-out evaluation runs before the first step, every `eval_every` steps and after the
 last. Checkpoints hold the learner (weights, optimizer, schedule, RNG), the task cursor and
-the running totals, so a stopped, failed or killed run resumes with no step lost or
-repeated. A service that stops answering is retried (`service_retry_seconds`), then the run
+the running totals. A stopped or failed run checkpoints its last completed step and resumes
+after it; a killed one resumes from its last checkpoint and plays the steps after it again,
+with the same seeds and so the same samples. A service that stops answering is retried (`service_retry_seconds`), then the run
 fails with the cause after checkpointing its last completed step.
 """
 
@@ -82,6 +83,10 @@ class Group:
         return self.decision is not None and self.decision.decision == Decision.DECISION_EXPAND
 
 
+class StaleRollouts(Exception):
+    """Some answers of a step came from other weights than the ones being trained."""
+
+
 class Services:
     """Stubs of the three services a run talks to."""
 
@@ -127,6 +132,9 @@ class GroupGate:
             request = reward_pb2.GateRequest(groups=[self.arrived[i] for i in order], config=self.config)
             try:
                 reply = await self.services.call("reward", "Gate", request)
+                if len(reply.decisions) != len(order):
+                    raise RunFailure(f"the reward service answered {len(reply.decisions)} Gate decisions for "
+                                     f"{len(order)} groups")
             except BaseException as err:
                 for i in order:
                     if not self.futures[i].done():
@@ -218,9 +226,8 @@ class TrainingJob:
         c = self.config
         ids = [t.id for t in tasks]
 
-        def draw(step: int, progress: Progress) -> list[str]:
-            names, progress.cursor = draw_tasks(ids, c.tasks_per_step, progress.cursor, c.seed)
-            return names
+        def draw(step: int, progress: Progress) -> tuple[list[str], int]:
+            return draw_tasks(ids, c.tasks_per_step, progress.cursor, c.seed)
 
         with Learner(self.learner_settings()) as learner:
             at = ctx.latest_checkpoint()
@@ -256,13 +263,16 @@ class TrainingJob:
                 weights = rgrpo.round_weights(len(tasks), rows, c.rgrpo.tau, c.rgrpo.alpha)
                 ids = [t.id for t in tasks]
 
-                def draw(step: int, progress: Progress) -> list[str]:
-                    return rgrpo.weighted_draw(ids, weights, c.tasks_per_step, derive_seed(c.seed, "rgrpo", step))
+                def draw(step: int, progress: Progress) -> tuple[list[str], int]:
+                    seed = derive_seed(c.seed, "rgrpo", step)
+                    return rgrpo.weighted_draw(ids, weights, c.tasks_per_step, seed), progress.cursor
 
                 if not await self.train_steps(ctx, session, progress, round_ * per_round, draw):
                     return False
                 union = await self.add_teacher(ctx, session, round_, union)
                 totals = progress
+            if ctx.stop_requested() and round_ < c.rgrpo.rounds:
+                return False  # stopped at a round's end: its teacher is in the union, the next round starts fresh
         return True
 
     async def open_session(self, services: Services, learner: Learner, tasks: list[sandbox_pb2.Task],
@@ -271,17 +281,21 @@ class TrainingJob:
         return Session(services, learner, info, self.rollouts(services, learner, info), tasks, held_out)
 
     async def train_steps(self, ctx: RunContext, session: Session, progress: Progress, last: int, draw) -> bool:
-        """Steps progress.step + 1 .. last, each on the tasks `draw(step, progress)` names;
-        held-out evaluation every eval_every steps and at `last`; checkpoints every
-        checkpoint_every steps, at `last` and on a stop request. False when stopped."""
+        """Steps progress.step + 1 .. last, each on the tasks `draw(step, progress)` names
+        (with the task cursor after them); evaluation every eval_every steps and at `last`;
+        checkpoints every checkpoint_every steps, at `last` and on a stop request. False when
+        a stop request ended it before `last`."""
         c = self.config
         by_id = {t.id: t for t in session.tasks}
         saved = progress.step
         try:
+            if progress.step and self.evaluation_due(progress.step, last) and not self.evaluated(ctx, progress.step):
+                await self.evaluate(ctx, session, progress)  # the run failed or was killed during this evaluation
             for step in range(progress.step + 1, last + 1):
                 started = time.perf_counter()
-                values = await self.step(ctx, step, [by_id[n] for n in draw(step, progress)], session)
-                progress.step = step  # the learner holds this step's update: a checkpoint now is this step's
+                names, cursor = draw(step, progress)
+                values = await self.step_on_policy(ctx, step, [by_id[n] for n in names], session)
+                progress.step, progress.cursor = step, cursor  # the learner holds this step's update now
                 progress.evaluations += int(values["sandbox/evaluations"])
                 values["time/sync_s"] = await self.push(session.services, session.learner)
                 values["weight_version"] = float(self.version)
@@ -289,17 +303,37 @@ class TrainingJob:
                 progress.train_seconds += values["time/step_s"]
                 values.update({"sandbox/evaluations_total": progress.evaluations, "time/train_total_s": progress.train_seconds})
                 ctx.emit("train", step, values)
-                if (c.eval_every and step % c.eval_every == 0) or step == last:
+                if self.evaluation_due(step, last):
                     await self.evaluate(ctx, session, progress)
                 if step % c.checkpoint_every == 0 or step == last or ctx.stop_requested():
                     saved = self.save(ctx, session.learner, progress)
-                if ctx.stop_requested():
+                if ctx.stop_requested() and step < last:
                     return False
         except BaseException:
             if progress.step > saved and not session.learning:  # keep the steps done: the run resumes after them
                 self.save(ctx, session.learner, progress)
             raise
         return True
+
+    def evaluation_due(self, step: int, last: int) -> bool:
+        return bool(self.config.eval_every and step % self.config.eval_every == 0) or step == last
+
+    @staticmethod
+    def evaluated(ctx: RunContext, step: int) -> bool:
+        return any(e["kind"] == "eval" and e["step"] == step for e in ctx.events(step))
+
+    async def step_on_policy(self, ctx: RunContext, step: int, tasks: list[sandbox_pb2.Task], session: Session,
+                             attempts: int = 3) -> dict[str, float]:
+        """One step whose rollouts all come from the weights being trained: when some came from
+        other weights (the policy restarted during the step), the step is played again."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self.step(ctx, step, tasks, session)
+            except StaleRollouts as err:
+                if attempt == attempts:
+                    raise RunFailure(f"step {step}: {err}, {attempts} times") from None
+                ctx.emit("log", step - 1, {}, f"step {step} played again: {err}")
+        raise AssertionError("unreachable")
 
     def save(self, ctx: RunContext, learner: Learner, progress: Progress) -> int:
         info = learner.save_checkpoint(ctx.checkpoint_dir, progress.step, cursor={"tasks": progress.cursor},
@@ -384,6 +418,9 @@ class TrainingJob:
         evaluations = rollouts.evaluations
         gate = GroupGate(services, self.config.gate, len(tasks))
         groups = await asyncio.gather(*(self.play_group(step, i, task, rollouts, gate) for i, task in enumerate(tasks)))
+        stale = sum(t.weight_version != self.version for g in groups for e in g.episodes for t in e.turns)
+        if stale:
+            raise StaleRollouts(f"{stale} answers came from other weights than version {self.version}")
         ranked = await services.call("reward", "Rank", reward_pb2.RankRequest(
             groups=[batching.rank_group(g.task.id, g.episodes) for g in groups], config=self.config.rank))
         rollout_seconds = time.perf_counter() - started
@@ -416,7 +453,7 @@ class TrainingJob:
             return group
         chosen = [group.episodes[i] for i in group.decision.expand_rollouts]
         for turn in range(2, group.decision.max_turns + 1):
-            active = [e for e in chosen if batching.continues(e, c.gate.improve_below_speedup) and rollouts.can_continue(e)]
+            active = [e for e in chosen if batching.continues(e, c.gate.improve_below_speedup) and not e.out_of_context]
             if not active:
                 break
             await rollouts.next_turns(active, derive_seed(seed, turn))
@@ -477,6 +514,7 @@ class TrainingJob:
         samples of the training tasks) with the policy's current weights; one seed per task set
         for every evaluation of the run, so two evaluations differ by the weights alone."""
         c = self.config
+        await self.keep_on_policy(ctx, progress.step + 1, session)
         sets = [("", session.held_out, "eval")]
         if c.eval_train_tasks:
             sets.append(("train_tasks/", session.tasks, "eval-train-tasks"))
@@ -511,6 +549,7 @@ class TrainingJob:
         task (k samples, first turn), and write the union with its row and the new coverage."""
         c = self.config
         name = f"teacher-{round_}"
+        await self.keep_on_policy(ctx, round_ * c.rgrpo.steps_per_round + 1, session)
         directory = self.union_dir(ctx)
         staging = directory / f".{name}.tmp"
         shutil.rmtree(staging, ignore_errors=True)

@@ -34,6 +34,7 @@ def test_the_cost_to_reach_a_target_is_the_first_evaluation_at_it():
     leap = compare.curve(LEAP, "pass_at_1/turn_1")
     assert compare.cost_to_reach(leap, 0.5).step == 5
     assert compare.cost_to_reach(leap, 0.7) is None
+    assert compare.cost_to_reach(leap, 0.2).step == 5  # not step 0: reaching the start costs no training
     multi_reached = compare.cost_to_reach(compare.curve(MULTI, "pass_at_1/turn_1"), 0.5)
     assert compare.ratio(multi_reached.seconds, compare.cost_to_reach(leap, 0.5).seconds) == 5.0
     assert math.isnan(compare.ratio(None, 3.0)) and math.isnan(compare.ratio(3.0, 0.0))

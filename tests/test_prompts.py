@@ -80,9 +80,10 @@ def test_continuation_text_is_the_template_suffix():
 
 
 NEWLINE_AFTER_END_TEMPLATE = prompts.SIMPLE_CHAT_TEMPLATE.replace("<|end|>", "<|end|>\n")  # as Qwen's template does
+TRIMMING_TEMPLATE = prompts.SIMPLE_CHAT_TEMPLATE.replace("message['content'] }}", "message['content'] | trim }}")  # Llama 3
 
 
-@pytest.mark.parametrize("template", [prompts.SIMPLE_CHAT_TEMPLATE, NEWLINE_AFTER_END_TEMPLATE])
+@pytest.mark.parametrize("template", [prompts.SIMPLE_CHAT_TEMPLATE, NEWLINE_AFTER_END_TEMPLATE, TRIMMING_TEMPLATE])
 @pytest.mark.parametrize("closed", [True, False])
 def test_continuation_ids_rebuild_the_whole_dialogue_after_the_sampled_tokens(tmp_path, template, closed):
     """Sampled tokens (ending with the end-of-turn token, or cut before it) plus the
@@ -99,6 +100,20 @@ def test_continuation_ids_rebuild_the_whole_dialogue_after_the_sampled_tokens(tm
     sampled = encode(answer) + ([tokenizer.eos_token_id] if closed else [])
     history = [*task, prompts.assistant(answer)]
     feedback = prompts.user("Compilation failed: error. Fix the code.")
-    ids = prompt_ids + sampled + prompts.continuation_ids(tokenizer, history, feedback, closed=closed)
+    end_text = tokenizer.eos_token if closed else None
+    ids = prompt_ids + sampled + prompts.continuation_ids(tokenizer, history, feedback, end_text=end_text)
     whole = tokenizer.apply_chat_template(prompts.as_dicts([*history, feedback]), tokenize=False, add_generation_prompt=True)
     assert ids == encode(whole)
+
+
+def test_continuation_ids_of_an_answer_the_template_trims(tmp_path):
+    """A template that trims answers (Llama 3's) renders a sampled trailing newline away; the
+    continuation is still found (the answer's closing comes from a placeholder answer)."""
+    from tests.tiny_lm import build_tiny_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "m"))
+    tokenizer.chat_template = TRIMMING_TEMPLATE
+    history = [*prompts.first_turn(relu_task(), CPU), prompts.assistant("```cpp\nint x;\n```\n\n")]
+    ids = prompts.continuation_ids(tokenizer, history, prompts.user("Fix the code."), end_text=None)
+    assert tokenizer.decode(ids) == "<|end|><|user|>\nFix the code.<|end|><|assistant|>\n"

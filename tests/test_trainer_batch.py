@@ -16,7 +16,7 @@ TASK = sandbox_pb2.Task(id="relu")
 
 def turn(prompt, completion, stage, speedup=0.0, logprobs=None):
     return Turn(prompt_ids=prompt, completion_ids=completion, sampler_logprobs=logprobs or [-0.5] * len(completion),
-                text="```cpp\n...\n```", closed=True, weight_version=1,
+                text="```cpp\n...\n```", end_token_id=completion[-1], weight_version=1,
                 verdict=sandbox_pb2.Verdict(stage=stage, speedup=speedup))
 
 

@@ -35,8 +35,9 @@ def curve(events: Sequence[Mapping], metric: str) -> list[Point]:
 
 
 def cost_to_reach(points: Sequence[Point], target: float) -> Point | None:
-    """The first evaluation at or above `target`; None when the run never got there."""
-    return next((p for p in points if p.accuracy >= target - 1e-12), None)
+    """The first evaluation after some training at or above `target`; None when the run never
+    got there. (The evaluation before training costs nothing, so it cannot be compared.)"""
+    return next((p for p in points if p.step > 0 and p.accuracy >= target - 1e-12), None)
 
 
 def ratio(slow: float | None, fast: float | None) -> float:
