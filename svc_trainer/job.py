@@ -107,6 +107,13 @@ class Services:
             await stub.channel.close()
 
 
+def decisions_of(reply: reward_pb2.GateResponse, groups: int) -> Sequence[reward_pb2.GateDecision]:
+    """The reply's decisions, one per group asked about, or RunFailure."""
+    if len(reply.decisions) != groups:
+        raise RunFailure(f"the reward service answered {len(reply.decisions)} Gate decisions for {groups} groups")
+    return reply.decisions
+
+
 class GroupGate:
     """Gates each group as soon as its first turns are judged: one Gate call per group, or,
     in adaptive mode, one call for the whole step (the expansion budget is per call)."""
@@ -124,7 +131,7 @@ class GroupGate:
         if not self.batched:
             reply = await self.services.call("reward", "Gate", reward_pb2.GateRequest(groups=[group], config=self.config))
             self.summaries.append(reply.summary)
-            return reply.decisions[0]
+            return decisions_of(reply, 1)[0]
         self.arrived[index] = group
         self.futures[index] = asyncio.get_running_loop().create_future()
         if len(self.arrived) == self.expected:
@@ -132,16 +139,14 @@ class GroupGate:
             request = reward_pb2.GateRequest(groups=[self.arrived[i] for i in order], config=self.config)
             try:
                 reply = await self.services.call("reward", "Gate", request)
-                if len(reply.decisions) != len(order):
-                    raise RunFailure(f"the reward service answered {len(reply.decisions)} Gate decisions for "
-                                     f"{len(order)} groups")
+                decisions = decisions_of(reply, len(order))
             except BaseException as err:
-                for i in order:
-                    if not self.futures[i].done():
+                for i in order:  # the other groups' waits fail too; this one raises it itself
+                    if i != index and not self.futures[i].done():
                         self.futures[i].set_exception(err)
                 raise
             self.summaries.append(reply.summary)
-            for i, decision in zip(order, reply.decisions):
+            for i, decision in zip(order, decisions):
                 self.futures[i].set_result(decision)
         return await self.futures[index]
 

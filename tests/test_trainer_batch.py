@@ -75,5 +75,30 @@ def test_rollout_records_describe_each_trajectory():
     assert [t["stage"] for t in record["turns"]] == ["STAGE_COMPILE", "STAGE_PASSED"]
     assert record["solved_by_turn"] == [False, True]
     assert record["token_ids"] == [1, 2, 3, 4, 5, 6] and record["owner"] == [-1, -1, 0, 0, -1, 1]
+    assert record["sampler_logprobs"] == [0.0, 0.0, -0.5, -0.5, 0.0, -0.25]
     (text_only,) = batch.rollout_records(3, [("relu", [two_turn_episode()])], ranked)
     assert "token_ids" not in text_only
+
+
+class ShortReward:
+    """The edge of the reward contract that a real service never shows: a Gate reply with
+    fewer decisions than groups (stands in for Services, which the GroupGate calls)."""
+
+    async def call(self, service, rpc, request):
+        return reward_pb2.GateResponse(decisions=[reward_pb2.GateDecision(task_id="only")] * (len(request.groups) - 1))
+
+
+@pytest.mark.parametrize("mode", [reward_pb2.GATE_MODE_STATIC, reward_pb2.GATE_MODE_ADAPTIVE])
+def test_a_gate_reply_short_of_decisions_fails_the_run_naming_the_count(mode):
+    import asyncio
+
+    from leap.learning.registry import RunFailure
+    from svc_trainer.job import GroupGate
+
+    async def decide_two():
+        gate = GroupGate(ShortReward(), reward_pb2.GateConfig(mode=mode), groups=2)
+        return await asyncio.gather(*(gate.decide(i, reward_pb2.GateGroup(task_id=f"t{i}")) for i in range(2)))
+
+    expected = "0 Gate decisions for 1 groups" if mode == reward_pb2.GATE_MODE_STATIC else "1 Gate decisions for 2"
+    with pytest.raises(RunFailure, match=expected):
+        asyncio.run(decide_two())
