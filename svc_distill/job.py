@@ -23,7 +23,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -54,13 +54,12 @@ UNION_COPY = "union"  # the run's copy of the teacher union, under its output di
 
 @dataclasses.dataclass
 class Endpoint:
-    """Where one union teacher is served, and the stub to reach it."""
+    """Where one union teacher is served."""
 
     name: str
     address: str
     model: str
     load_from: Path | None  # the distiller loads it from this directory when set
-    stub: Any = None
 
 
 def endpoints(config: distill_pb2.DistillConfig, union: TeacherUnion) -> list[Endpoint]:
@@ -202,7 +201,6 @@ class DistillRun:
         await self.ensure_loaded(self.config.student_address, self.config.student_model,
                                  Path(self.config.student_model_path).resolve(), same_path=False)
         for teacher in self.teachers:
-            teacher.stub = self.stub("policy", teacher.address)
             if teacher.load_from is not None:
                 await self.ensure_loaded(teacher.address, teacher.model, teacher.load_from, same_path=True)
         for task_id in dict.fromkeys([*self.config.train_tasks, *self.config.eval_tasks]):
@@ -300,12 +298,13 @@ class DistillRun:
         return dict(enumerate(results))
 
     async def score_with(self, teacher: Endpoint, completions: Sequence[policy_pb2.Completion]) -> list[list[float]]:
+        policy = self.stub("policy", teacher.address)
         out: list[list[float]] = []
         for first in range(0, len(completions), SCORE_ITEMS_PER_CALL):
             request = policy_pb2.ScoreRequest(model=teacher.model, temperature=self.config.sampling.temperature,
                                               items=score_items(completions[first:first + SCORE_ITEMS_PER_CALL]))
             reply = await self.call("policy", teacher.address, f"Score by teacher {teacher.name!r}",
-                                    lambda: teacher.stub.Score(request))
+                                    lambda: policy.Score(request))
             out += [list(result.logprobs) for result in reply.results]
         return out
 

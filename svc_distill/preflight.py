@@ -8,7 +8,6 @@ tasks exist in the sandbox. Fills in the toolchain and the task lists the run wi
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -25,14 +24,6 @@ from svc_distill.config import HELDOUT_SPLIT, tu_opd_config
 from svc_distill.losses import teacher_weights
 
 UNION_FIELD = "config.teacher_union_path"
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A config that passed preflight, with what preflight read."""
-
-    config: distill_pb2.DistillConfig
-    union: TeacherUnion
 
 
 def fingerprint_of(model_dir) -> str:
@@ -145,9 +136,9 @@ async def resolve_tasks(out: distill_pb2.DistillConfig, union: TeacherUnion, v: 
         await sandbox.channel.close()
 
 
-async def preflight(config: distill_pb2.DistillConfig, *, timeout: float = 5.0) -> Prepared:
-    """`config` (defaults already filled) with toolchain and task lists resolved, and the
-    union it reads; raises INVALID_ARGUMENT naming every field that cannot work."""
+async def preflight(config: distill_pb2.DistillConfig, *, timeout: float = 5.0) -> distill_pb2.DistillConfig:
+    """`config` (defaults already filled) with toolchain and task lists resolved; raises
+    INVALID_ARGUMENT naming every field that cannot work."""
     union, student_fingerprint, v = await asyncio.to_thread(local_checks, config)
     v.raise_if_any()
     assert union is not None
@@ -159,4 +150,4 @@ async def preflight(config: distill_pb2.DistillConfig, *, timeout: float = 5.0) 
     out.toolchain = out.toolchain or union.toolchain_value()
     await resolve_tasks(out, union, v)
     v.raise_if_any()
-    return Prepared(out, union)
+    return out

@@ -46,7 +46,7 @@ class DistillServicer(RunApi, distill_pb2_grpc.DistillServiceServicer):
         filled = run_config.with_defaults(config, student_address=self.settings.student_address,
                                           sandbox_address=self.settings.sandbox_address)
         prepared = await preflight(filled, timeout=self.settings.preflight_timeout_seconds)
-        return prepared.config, prepared.config.steps
+        return prepared, prepared.steps
 
     def make_job(self, record: RunRecord):
         from svc_distill.job import DistillJob

@@ -19,33 +19,30 @@ from leap.common.v1 import common_pb2
 from leap.evaluation import correct_by_turn
 from leap.learning import Sequence as LearnerSequence
 from leap.reward.v1 import reward_pb2
-from leap.rollouts import Episode
+from leap.rollouts import Episode, Outcome
 
 Stage = common_pb2.Stage
 
 
+def _judged(outcome: Outcome) -> dict:
+    """A turn's result fields for the reward service: its stage (FORMAT when it has none) and,
+    only when it is correct and timed, its speedup."""
+    fields = {"stage": outcome.stage or Stage.STAGE_FORMAT}
+    if outcome.correct and outcome.speedup > 0:
+        fields["speedup"] = outcome.speedup
+    return fields
+
+
 def gate_group(task_id: str, episodes: Sequence[Episode]) -> reward_pb2.GateGroup:
-    rollouts = []
-    for episode in episodes:
-        outcome = episode.turns[0].outcome
-        result = reward_pb2.RolloutResult(stage=outcome.stage or Stage.STAGE_FORMAT)
-        if outcome.correct and outcome.speedup > 0:
-            result.speedup = outcome.speedup
-        rollouts.append(result)
-    return reward_pb2.GateGroup(task_id=task_id, rollouts=rollouts)
+    return reward_pb2.GateGroup(task_id=task_id,
+                                rollouts=[reward_pb2.RolloutResult(**_judged(e.turns[0].outcome)) for e in episodes])
 
 
 def rank_group(task_id: str, episodes: Sequence[Episode]) -> reward_pb2.RankGroup:
     trajectories = []
     for episode in episodes:
-        turns = []
-        for turn in episode.turns:
-            outcome = turn.outcome
-            result = reward_pb2.TurnResult(stage=outcome.stage or Stage.STAGE_FORMAT,
-                                           generated_tokens=len(turn.completion_ids))
-            if outcome.correct and outcome.speedup > 0:
-                result.speedup = outcome.speedup
-            turns.append(result)
+        turns = [reward_pb2.TurnResult(**_judged(turn.outcome), generated_tokens=len(turn.completion_ids))
+                 for turn in episode.turns]
         trajectories.append(reward_pb2.Trajectory(turns=turns))
     return reward_pb2.RankGroup(task_id=task_id, trajectories=trajectories)
 

@@ -15,9 +15,9 @@ def expanded_share(expanded: Sequence[bool]) -> float:
 
 def rollout_metrics(trajectories: Sequence[Sequence[Outcome]], expanded: Sequence[bool], turns: int) -> dict[str, float]:
     """pass@1 by turn over the step's trajectories, the mean speedup of their correct
-    answers, the expanded share of groups and the sandbox evaluations (one per turn)."""
+    answers and the expanded share of groups. (The job counts the step's sandbox evaluations
+    itself: an empty answer is judged without one.)"""
     values = by_turn("pass_at_1", pass_at_1_by_turn(trajectories, turns))
     values["speedup/mean_correct"] = mean_speedup_of_correct(trajectories)
     values["expanded_share"] = expanded_share(expanded)
-    values["sandbox/evaluations"] = float(sum(len(outcomes) for outcomes in trajectories))
     return values

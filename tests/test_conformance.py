@@ -44,7 +44,6 @@ def test_own_service_passes_every_check(own_services, service):
     results = check_service(service, own_services[service])
     assert not failures(results), report(results)
     assert not [r for r in results if r.outcome is Outcome.SKIP], report(results)
-    assert len(results) >= len(suite_of(service).checks) + 3  # health, reflection twice, one probe per RPC
 
 
 def test_gate_history_is_untouched_by_conformance(own_services):

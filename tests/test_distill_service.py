@@ -182,7 +182,8 @@ def test_a_reliability_threshold_no_teacher_reaches_is_refused(distill, models):
     # Gated off, every teacher teaches: the same threshold is then no reason to refuse.
     ungated = start(distill, run_config(models, reliability_threshold=0.8, disable_reliability_gating=True,
                                         student_model="student-ungated"))
-    wait_run(distill, ungated.run_id, RunState.RUN_STATE_SUCCEEDED)
+    done = wait_run(distill, ungated.run_id, RunState.RUN_STATE_SUCCEEDED)
+    assert done.latest_metrics["skipped_examples"] == 0  # gated at rho 0.8, both examples would be skipped
 
 
 def test_a_listed_teacher_that_is_not_served_is_refused(distill, models):
@@ -293,12 +294,15 @@ def test_the_run_api_reports_a_finished_run(distill, models, policy, uninterrupt
     assert uninterrupted.config.reliability_threshold == 0.5 and uninterrupted.config.objective == distill_pb2.OBJECTIVE_CRD
     assert {"loss", "kl/target", "kl/teacher/teacher-1", "kl/teacher/teacher-2", "skipped_examples"} \
         <= set(uninterrupted.latest_metrics)
+    # gated at rho 0.5: relu has both teachers, softmax teacher-2 alone (each step draws both)
+    assert uninterrupted.latest_metrics["skipped_examples"] == 0
+    assert uninterrupted.latest_metrics["reliable_teachers_mean"] == 1.5
     # held-out pass@1 through the shared evaluator: the student after training, teachers and union before
     assert {"eval/pass_at_1/turn_1", "eval/teacher/teacher-1/pass_at_1/turn_1", "eval/union/pass_at_1/turn_1"} \
         <= set(uninterrupted.latest_metrics)
     assert run_id in [r.run_id for r in distill.ListRuns(distill_pb2.ListRunsRequest()).runs]
     succeeded = distill.ListRuns(distill_pb2.ListRunsRequest(state=RunState.RUN_STATE_SUCCEEDED)).runs
-    assert all(r.state == RunState.RUN_STATE_SUCCEEDED for r in succeeded)
+    assert run_id in [r.run_id for r in succeeded] and all(r.state == RunState.RUN_STATE_SUCCEEDED for r in succeeded)
 
     replay = list(distill.StreamMetrics(distill_pb2.StreamMetricsRequest(run_id=run_id, no_follow=True)))
     assert [e.event.step for e in replay if e.event.kind == "eval"] == [0, 2]  # before and after

@@ -1,5 +1,7 @@
 """Pure metric helpers of evaluation and of the LEAP step, against hand-computed values."""
 
+import types
+
 from leap.evaluation import (EvalReport, by_turn, correct_by_turn, mean_speedup_of_correct, pass_at_1_by_turn,
                              pass_at_k_by_turn)
 from leap.learning.data import draw_tasks
@@ -51,7 +53,7 @@ def test_expanded_share_and_rollout_metrics():
     assert expanded_share([]) == 0.0
     values = rollout_metrics([[WRONG, RIGHT], [RIGHT]], [True, False], 2)
     assert values == {"pass_at_1/turn_1": 0.5, "pass_at_1/turn_2": 1.0, "speedup/mean_correct": 2.0,
-                      "expanded_share": 0.5, "sandbox/evaluations": 3.0}
+                      "expanded_share": 0.5}
     assert by_turn("x", [1.0]) == {"x/turn_1": 1.0}
 
 
@@ -72,15 +74,19 @@ def test_derived_seeds_are_stable_and_distinct():
     assert 0 <= derive_seed("x") < 2**63
 
 
-def test_busy_clock_counts_overlapping_calls_once():
-    import time
-
+def test_busy_clock_counts_overlapping_calls_once(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("leap.rollouts.time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     clock = BusyClock()
+    with clock:  # busy from 0 to 3
+        now[0] = 1.0
+        with clock:  # 1 to 2 overlaps the outer call: not counted again
+            now[0] = 2.0
+        now[0] = 3.0
+    assert clock.seconds == 3.0
+    now[0] = 10.0  # idle from 3 to 10: not counted
     with clock:
-        with clock:  # overlapping: the outer interval already covers it
-            time.sleep(0.01)
-    first = clock.seconds
-    assert first > 0
-    with clock:
-        pass
-    assert clock.take() >= first and clock.seconds == 0.0
+        now[0] = 11.0
+        assert clock.take() == 4.0  # an ongoing call counts up to now
+        now[0] = 12.0
+    assert clock.seconds == 1.0  # counted again from the take

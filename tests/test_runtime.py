@@ -15,10 +15,11 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from leap.commands.health import check as health_check
 from leap.reward.v1 import reward_pb2, reward_pb2_grpc
 from leap.runtime import BackgroundServer, ServerConfig
 from leap.runtime.errors import details_of
-from tests.conftest import ROOT, free_port, subprocess_env
+from tests.conftest import ROOT, free_port, subprocess_env, wait_for
 from tests.runtime_fixture import build_service
 
 TOKEN = "s3cret-token"
@@ -99,16 +100,11 @@ def test_calls_are_unavailable_until_on_start_is_done_but_health_answers():
     starter.start()
     address = f"127.0.0.1:{port}"
     try:
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-        deadline = time.monotonic() + 30
-        while True:  # wait until the port answers at all
-            try:
-                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                break
-            except grpc.RpcError:
-                assert time.monotonic() < deadline, "the server never listened"
-                time.sleep(0.05)
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        def answered() -> str | None:
+            status = health_check(address, timeout=1.0)
+            return None if status.startswith("UNREACHABLE") else status
+
+        assert wait_for(answered, 30, "the server to listen") == "NOT_SERVING"
         with pytest.raises(grpc.RpcError) as caught:
             stub_for(address).Rank(rank("early"), timeout=5)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "starting" in caught.value.details()

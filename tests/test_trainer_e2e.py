@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from leap.learning.registry import FAILED, SUCCEEDED
 from leap.policy.v1 import policy_pb2
 from leap.reward.v1 import reward_pb2
 from leap.trainer.v1 import trainer_pb2
-from tests.conftest import free_port, leap_serve
+from tests.conftest import free_port, leap_serve, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -84,15 +83,6 @@ def serving_version(policy_address: str) -> int:
         return stub.GetModel(policy_pb2.GetModelRequest(name="policy")).model.version
     finally:
         stub.channel.close()
-
-
-def wait_for(predicate, timeout: float = 300.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_one_step_changes_the_weights_advances_the_version_and_raises_positively_advantaged_tokens(
@@ -168,7 +158,7 @@ def test_a_killed_trainer_resumes_with_the_same_step_counter_and_optimizer_state
         trainer = connect("trainer", address, aio=False)
         killed = start(trainer, config)
         first = Path(killed.output_dir) / "checkpoints" / "step-00000001"
-        wait_for(first.is_dir, what="the checkpoint of step 1")
+        wait_for(first.is_dir, timeout=300, what="the checkpoint of step 1")
         os.killpg(process.pid, signal.SIGKILL)  # no shutdown, no last checkpoint: as a crash
         process.wait()
     with leap_serve("trainer", *trainer_flags(runs, services)) as (address, _):  # auto_resume picks the run up

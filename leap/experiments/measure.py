@@ -14,8 +14,6 @@ from leap.learning import load_tokenizer
 from leap.policy.v1 import policy_pb2
 from leap.sandbox.v1 import sandbox_pb2
 
-SPLITS = ("train", "heldout")
-
 
 def list_tasks(sandbox_address: str, split: str, toolchain: int) -> list[sandbox_pb2.Task]:
     sandbox = connect("sandbox", sandbox_address, aio=False)

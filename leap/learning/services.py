@@ -58,4 +58,5 @@ async def resolve_eval_tasks(sandbox, config, v: Violations, split: str = "heldo
         await check_listed_tasks(sandbox, "config.eval_tasks", config.eval_tasks, config.toolchain, v)
     else:
         held_out = await list_task_ids(sandbox, split, config.toolchain)
-        config.eval_tasks.extend(t for t in held_out if t not in set(config.train_tasks))
+        train = set(config.train_tasks)
+        config.eval_tasks.extend(t for t in held_out if t not in train)

@@ -49,14 +49,14 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = details.method
         metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-        quiet = method.startswith(self.exempt_prefixes)  # health probes: debug level only
-        needs_auth = bool(self.expected_auth) and not method.startswith(self.exempt_prefixes)
+        exempt = method.startswith(self.exempt_prefixes)  # health probes: no auth, no start gate, debug level only
+        needs_auth = bool(self.expected_auth) and not exempt
         authorized = not needs_auth or hmac.compare_digest(metadata.get("authorization", ""), self.expected_auth)
         request_id = metadata.get(REQUEST_ID_KEY) or uuid.uuid4().hex
         previous = metadata.get(PREVIOUS_ATTEMPTS_KEY, "")
         attempt = 1 + int(previous) if previous.isdigit() else 1
-        starting = self.starting and not method.startswith(self.exempt_prefixes)
-        call = _Call(method, request_id, authorized, quiet, attempt, starting)
+        starting = self.starting and not exempt
+        call = _Call(method, request_id, authorized, exempt, attempt, starting)
         return _wrap(handler, call)
 
 
