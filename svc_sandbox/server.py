@@ -8,7 +8,6 @@ isolation in isolation.py, the checks in static_check.py and checking.py.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import os
@@ -19,9 +18,10 @@ from pathlib import Path
 
 from leap import tasks
 from leap.common.v1 import common_pb2
-from leap.runtime import Registration, ServerConfig, Service, ServiceSpec, Violations, not_found, option
+from leap.runtime import KiB, Registration, ServerConfig, Service, ServiceSpec, Violations, not_found, option
 from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
+from leap.runtime.paging import decode_page_token, encode_page_token, is_offset
 from leap.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 from svc_sandbox import toolchains
 from svc_sandbox.compile_cache import CompileCache
@@ -57,11 +57,11 @@ class SandboxConfig(ServerConfig):
     """Settings of the sandbox service (server settings included)."""
 
     workers: int = option(0, "Candidates evaluated in parallel, each by its own worker process; 0 means one per CPU "
-                             "core this process may use.")
+                             "core this process may use.", minimum=0)
     max_queue: int = option(1024, "Evaluations that may wait for a free worker; a request that does not fit gets "
-                                  "RESOURCE_EXHAUSTED with a retry hint.")
-    max_batch: int = option(512, "Most candidates in one EvaluateBatch request.")
-    max_source_bytes: int = option(64 * 1024, "Largest Candidate.source accepted, in bytes.")
+                                  "RESOURCE_EXHAUSTED with a retry hint.", minimum=0)
+    max_batch: int = option(512, "Most candidates in one EvaluateBatch request.", minimum=1)
+    max_source_bytes: int = option(64 * 1024, "Largest Candidate.source accepted, in bytes.", minimum=1)
     max_log_bytes: int = option(8192, "Compiler and runtime logs in a verdict are trimmed to this many bytes, keeping "
                                       "the head (where the first errors are).")
     cache_dir: str = option("", "Compile cache directory (shared by the workers; safe to share between replicas). "
@@ -80,13 +80,14 @@ class SandboxConfig(ServerConfig):
                                               "bytes (not applied to CUDA processes, which reserve far more).")
     file_size_limit_bytes: int = option(64 << 20, "Largest file a candidate may write (RLIMIT_FSIZE), in bytes.")
     process_limit: int = option(64, "Processes and threads a candidate's user may have (RLIMIT_NPROC); applied when "
-                                    "candidates run as their own uid (see sandbox_uid).")
+                                    "candidates run as their own uid (see sandbox_uid).", minimum=1)
     sandbox_uid: int = option(61000, "When the service runs as root, worker k runs candidates as uid and gid "
-                                     "sandbox_uid + k (no /etc/passwd entry needed); -1 keeps the service's user.")
+                                     "sandbox_uid + k (no /etc/passwd entry needed); -1 keeps the service's user.",
+                              minimum=-1)
     network_isolation: bool = option(True, "Run candidates in a new network namespace (no network at all) where the "
                                            "OS allows it; the reason is logged where it does not.")
     threads_per_candidate: int = option(0, "OpenMP and BLAS threads of each candidate and reference; 0 means the cores "
-                                           "divided among the workers (at least 1).")
+                                           "divided among the workers (at least 1).", minimum=0)
     cpu_compiler: str = option("g++", "Default compiler of the cpu toolchain (g++ or clang++).")
     cpu_flags: list[str] = option(["-O3", "-march=native", "-fopenmp"], "Compile flags of the cpu toolchain "
                                   "(-std=c++17 -fPIC -shared -Wl,-z,defs are always added); as a flag: "
@@ -98,16 +99,18 @@ class SandboxConfig(ServerConfig):
                                    "-cudart shared are always added).")
     cuda_arch: str = option("", "GPU architecture to compile for, for example sm_90; empty means the device's own "
                                 "(from NVML), or sm_80 where no device is present.")
-    correctness_trials_cpu: int = option(3, "Default correctness trials (each on fresh inputs) for cpu and kernelbench.")
-    correctness_trials_gpu: int = option(5, "Default correctness trials for cuda.")
-    timing_trials: int = option(10, "Default timed runs of candidate and reference each.")
-    warmup_runs: int = option(2, "Default untimed runs before timing.")
-    suspicious_speedup: float = option(10.0, "Speedups above this get the SUSPICIOUS_SPEEDUP flag.")
+    correctness_trials_cpu: int = option(3, "Default correctness trials (each on fresh inputs) for cpu and kernelbench.",
+                                        minimum=1)
+    correctness_trials_gpu: int = option(5, "Default correctness trials for cuda.", minimum=1)
+    timing_trials: int = option(10, "Default timed runs of candidate and reference each.", minimum=1)
+    warmup_runs: int = option(2, "Default untimed runs before timing.", minimum=0)
+    suspicious_speedup: float = option(10.0, "Speedups above this get the SUSPICIOUS_SPEEDUP flag.", minimum=1.0)
     kernelbench_device: str = option("auto", "Where kernelbench candidates run: cpu, cuda, or auto (cuda when a device "
                                              "is present).")
     reference_cache_bytes: int = option(1 << 30, "Memory for cached reference outputs, in bytes (least recently used "
                                                  "evicted).")
-    telemetry_interval_ms: float = option(20.0, "NVML sampling interval while a candidate is timed, in milliseconds.")
+    telemetry_interval_ms: float = option(20.0, "NVML sampling interval while a candidate is timed, in milliseconds.",
+                                         minimum=1.0)
 
 
 class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
@@ -311,18 +314,19 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         if request.split and request.split not in tasks.SPLITS:
             violations.add("split", f"one of {', '.join(tasks.SPLITS)}")
         offset = 0
+        query = {"toolchain": request.toolchain, "split": request.split}
         if request.page_token:
             try:
-                offset = int(base64.urlsafe_b64decode(request.page_token.encode()).decode())
-            except (ValueError, UnicodeDecodeError):
-                violations.add("page_token", "is not a token from a previous response")
+                offset = decode_page_token(request.page_token, query, is_offset)
+            except ValueError as err:
+                violations.add("page_token", f"is not a token from a previous response: {err}")
         violations.raise_if_any()
         chosen = [t for _, t in sorted(self.suite.items())
                   if (not request.toolchain or request.toolchain in t.toolchains)
                   and (not request.split or t.split == request.split)]
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         page = chosen[offset:offset + size]
-        token = base64.urlsafe_b64encode(str(offset + size).encode()).decode() if offset + size < len(chosen) else ""
+        token = encode_page_token(offset + size, query) if offset + size < len(chosen) else ""
         return sandbox_pb2.ListTasksResponse(tasks=[self._view(t, request.view) for t in page], next_page_token=token)
 
     async def GetTask(self, request, context):
@@ -376,11 +380,21 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
                 await asyncio.wait_for(asyncio.shield(producer), 5)
 
 
+def request_limits(config: SandboxConfig) -> dict[str, int | None]:
+    """The largest request message of each RPC, in bytes (see leap.runtime.Registration): a
+    candidate is its source (max_source_bytes) plus a few KB of task id and options, a batch
+    max_batch of them; the rest carry a task id or device indices."""
+    candidate = config.max_source_bytes + 16 * KiB
+    return {"Evaluate": candidate + 64 * KiB, "EvaluateBatch": config.max_batch * candidate + 64 * KiB,
+            "ListTasks": 16 * KiB, "GetTask": 16 * KiB, "ListDevices": 16 * KiB, "StreamTelemetry": 16 * KiB}
+
+
 def build(config: SandboxConfig) -> Service:
     servicer = SandboxServicer(config)
     return Service(
         name="sandbox",
-        registrations=[Registration(SERVICE_NAME, sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, servicer)],
+        registrations=[Registration(SERVICE_NAME, sandbox_pb2_grpc.add_SandboxServiceServicer_to_server, servicer,
+                                    request_limits=request_limits(config))],
         on_start=servicer.on_start,
         on_stop=servicer.on_stop,
     )

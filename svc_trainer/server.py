@@ -12,8 +12,8 @@ import dataclasses
 from pathlib import Path
 
 from leap.learning.registry import RunRecord
-from leap.learning.run_api import RunApi, RunServiceConfig
-from leap.runtime import Registration, Service, ServiceSpec, local_address, option
+from leap.learning.run_api import RUN_REQUEST_LIMITS, RunApi, RunServiceConfig
+from leap.runtime import KiB, Registration, Service, ServiceSpec, local_address, option
 from leap.runtime import failed_precondition
 from leap.union import UNION_FILE, TeacherUnion
 from leap.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -91,7 +91,8 @@ def build(config: TrainerConfig) -> Service:
     servicer = TrainerServicer(config)
     return Service(
         name="trainer",
-        registrations=[Registration(SERVICE_NAME, trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer)],
+        registrations=[Registration(SERVICE_NAME, trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer,
+                                    request_limits={**RUN_REQUEST_LIMITS, "GetTeacherUnion": 16 * KiB})],
         on_start=servicer.start,
         on_stop=servicer.stop,
     )

@@ -203,14 +203,18 @@ def bad_gate_requests():
     nan = pb.RolloutResult(stage=PASSED, speedup=math.nan)
     yield "no groups", pb.GateRequest(), ["groups"]
     yield "group of one", pb.GateRequest(groups=[gate_group("ok", 0, size=1)]), ["groups[0].rollouts"]
-    yield "no task id, unknown and unspecified stages, NaN and negative speedups", pb.GateRequest(groups=[
+    yield "no task id, unknown and unspecified stages, negative speedups", pb.GateRequest(groups=[
         good,
-        pb.GateGroup(rollouts=[pb.RolloutResult(stage=9), pb.RolloutResult(), nan,
-                               pb.RolloutResult(stage=PASSED, speedup=-1.0)]),
+        pb.GateGroup(rollouts=[pb.RolloutResult(stage=9), pb.RolloutResult(),
+                               pb.RolloutResult(stage=PASSED, speedup=-3.0), pb.RolloutResult(stage=PASSED, speedup=-1.0)]),
     ]), ["groups[1].task_id", "groups[1].rollouts[0].stage", "groups[1].rollouts[1].stage",
          "groups[1].rollouts[2].speedup", "groups[1].rollouts[3].speedup"]
+    # NaN and infinity are refused by the runtime (leap.runtime.checks) before the servicer runs.
+    yield "NaN and infinite floats", pb.GateRequest(groups=[good, pb.GateGroup(task_id="u", rollouts=[nan, nan])],
+                                                    config=pb.GateConfig(expand_budget=math.inf)), [
+        "groups[1].rollouts[0].speedup", "groups[1].rollouts[1].speedup", "config.expand_budget"]
     config = pb.GateConfig(mode=9, simple_threshold=1.5, catastrophic_stage=PASSED, max_turns=-1,
-                           expand_budget=math.inf, history_decay=0.0, improve_below_speedup=-2.0)
+                           expand_budget=2.0, history_decay=0.0, improve_below_speedup=-2.0)
     yield "bad config", pb.GateRequest(groups=[good], config=config), [
         "config.mode", "config.simple_threshold", "config.catastrophic_stage", "config.max_turns",
         "config.expand_budget", "config.history_decay", "config.improve_below_speedup"]
@@ -228,15 +232,15 @@ def bad_rank_requests():
     yield "no groups", pb.RankRequest(), ["groups"]
     yield "group of one", pb.RankRequest(groups=[good, pb.RankGroup(trajectories=[trajectory(turn(RUN))])]), [
         "groups[1].trajectories"]
-    yield "no turns, unknown stage, inf speedup, negative tokens", pb.RankRequest(groups=[good, pb.RankGroup(
+    yield "no turns, unknown stage, negative speedups and tokens", pb.RankRequest(groups=[good, pb.RankGroup(
         trajectories=[
-            trajectory(turn(RUN), turn(PASSED), turn(7), turn(PASSED, 10, math.inf)),
+            trajectory(turn(RUN), turn(PASSED), turn(7), turn(PASSED, 10, -math.pi)),
             pb.Trajectory(),
             trajectory(turn(PASSED, -5, -0.5)),
         ])]), ["groups[1].trajectories[0].turns[2].stage", "groups[1].trajectories[0].turns[3].speedup",
                "groups[1].trajectories[1].turns", "groups[1].trajectories[2].turns[0].speedup",
                "groups[1].trajectories[2].turns[0].generated_tokens"]
-    config = pb.RankConfig(method=7, speedup_margin=-0.1, token_margin=math.nan, turn_discount=1.5,
+    config = pb.RankConfig(method=7, speedup_margin=-0.1, token_margin=-1.0, turn_discount=1.5,
                            failure_penalty=0.5)
     yield "bad config", pb.RankRequest(groups=[good], config=config), [
         "config.method", "config.speedup_margin", "config.token_margin", "config.turn_discount",

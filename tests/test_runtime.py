@@ -253,3 +253,379 @@ def test_tls_and_mutual_tls(tmp_path):
             stub.channel.close()
     finally:
         running.stop()
+
+
+# -- bounded statuses (issue #15, item 6) ------------------------------------------------
+
+
+def wire_bytes(error: grpc.RpcError) -> int:
+    """What a failed call's status cost in the trailers: the percent-encoded message plus
+    the base64 of grpc-status-details-bin."""
+    from grpc_status import rpc_status
+
+    from leap.runtime.errors import message_wire_bytes, status_wire_bytes
+
+    status = rpc_status.from_call(error)
+    return status_wire_bytes(status) if status is not None else message_wire_bytes(error.details() or "")
+
+
+def bad_request_of(error: grpc.RpcError) -> error_details_pb2.BadRequest:
+    (bad_request,) = [d for d in details_of(error) if isinstance(d, error_details_pb2.BadRequest)]
+    return bad_request
+
+
+def test_many_violations_are_capped_with_a_count_of_the_rest(server):
+    """GetTaskHistory with 100 empty ids: the client (default limits) gets INVALID_ARGUMENT
+    listing 20 of them and one "..." entry counting the other 80, all far under 8 KiB."""
+    with pytest.raises(grpc.RpcError) as caught:
+        stub_for(server.address).GetTaskHistory(reward_pb2.GetTaskHistoryRequest(task_ids=[""] * 100), timeout=10)
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    violations = bad_request_of(error).field_violations
+    assert [v.field for v in violations[:20]] == [f"task_ids[{i}]" for i in range(20)]
+    assert len(violations) == 21 and violations[20].field == "..." and "and 80 more" in violations[20].description
+    assert "task_ids[0]: must not be empty" in error.details() and "more" in error.details()
+    assert wire_bytes(error) <= 4096
+
+
+def test_echoed_values_are_cut_with_their_length(server):
+    """A 20 KB task id comes back as its first 120 characters and its length."""
+    with pytest.raises(grpc.RpcError) as caught:
+        stub_for(server.address).GetTaskHistory(reward_pb2.GetTaskHistoryRequest(task_ids=["t" * 20_000]), timeout=10)
+    error = caught.value
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert "t" * 120 + "... (20000 chars)" in error.details() and "t" * 121 not in error.details()
+    (info,) = [d for d in details_of(error) if isinstance(d, error_details_pb2.ResourceInfo)]
+    assert info.resource_name == "t" * 120 + "... (20000 chars)"
+    assert wire_bytes(error) <= 4096
+
+
+def test_a_status_of_megabytes_from_a_careless_handler_still_reaches_the_client(server):
+    """A handler raising a 1 MB message with 5,000 violations of 2.5 KB each (raw
+    ServiceError, no Violations): the runtime shrinks it; the client sees INVALID_ARGUMENT
+    with the first violations, not RESOURCE_EXHAUSTED for oversized metadata."""
+    with pytest.raises(grpc.RpcError) as caught:
+        stub_for(server.address).Rank(rank("huge-error"), timeout=30)
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    violations = bad_request_of(error).field_violations
+    assert violations[0].field.startswith("groups[0].fff") and "chars cut" in violations[0].field
+    assert violations[-1].field == "..." and int(violations[-1].description.split()[1]) == 5000 - (len(violations) - 1)
+    assert error.details().startswith("mmm") and len(error.details()) <= 768
+    assert wire_bytes(error) <= 4096
+
+
+def test_bounded_status_of_any_detail_fits_the_budget():
+    """Unit check of the generic bound: strings, maps and repeated fields of any detail type
+    shrink until the status fits; a status that fits is untouched."""
+    from leap.runtime.errors import MAX_STATUS_WIRE_BYTES, bounded_status, status_wire_bytes
+
+    info = error_details_pb2.ErrorInfo(reason="BIG", metadata={str(i): "v" * 3000 for i in range(200)})
+    status = bounded_status(grpc.StatusCode.FAILED_PRECONDITION, "\x00é%" * 50_000, [info])
+    assert status_wire_bytes(status) <= MAX_STATUS_WIRE_BYTES
+    (packed,) = status.details
+    unpacked = error_details_pb2.ErrorInfo()
+    packed.Unpack(unpacked)
+    assert unpacked.reason == "BIG" and 0 < len(unpacked.metadata) < 200
+    small = bounded_status(grpc.StatusCode.NOT_FOUND, "task 'relu' not found", [error_details_pb2.ResourceInfo(
+        resource_type="task", resource_name="relu")])
+    assert small.message == "task 'relu' not found"
+    assert small.details[0].Unpack(unpacked := error_details_pb2.ResourceInfo()) and unpacked.resource_name == "relu"
+
+
+# -- request bytes: parsed after auth, per-RPC limits, finite floats (items 7, 8, 1) -------
+
+
+RANK = "/leap.reward.v1.RewardService/Rank"
+UPDATE_WEIGHTS = "/leap.policy.v1.PolicyService/UpdateWeights"
+GENERATE_STREAM = "/leap.policy.v1.PolicyService/GenerateStream"
+GARBAGE = b"\xff\xff\xff\xff\x0f not a protobuf"
+
+
+def test_garbage_bytes_are_invalid_argument_on_unary_and_stream_rpcs(server):
+    channel = grpc.insecure_channel(server.address)
+    with pytest.raises(grpc.RpcError) as caught:
+        channel.unary_unary(RANK)(GARBAGE, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid leap.reward.v1.RankRequest message" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        list(channel.unary_stream(GENERATE_STREAM)(GARBAGE, timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    from leap.policy.v1 import policy_pb2
+
+    good = policy_pb2.UpdateWeightsRequest(model="m", chunk=policy_pb2.TensorChunk(data=b"abc")).SerializeToString()
+    with pytest.raises(grpc.RpcError) as caught:
+        channel.stream_unary(UPDATE_WEIGHTS)(iter([good, good, GARBAGE, good]), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violated_fields_of(caught.value) == ["messages[2]"]
+    # The server keeps serving, the streams too.
+    reply = channel.stream_unary(UPDATE_WEIGHTS)(iter([good] * 3), timeout=10)
+    assert policy_pb2.UpdateWeightsResponse.FromString(reply).tensors_updated == 3
+
+
+def violated_fields_of(error: grpc.RpcError) -> list[str]:
+    from leap.runtime.errors import violated_fields
+
+    return violated_fields(error)
+
+
+def test_garbage_bytes_are_refused_after_auth_and_logged_as_json_with_a_request_id():
+    """Unauthenticated garbage is UNAUTHENTICATED (nothing is parsed before auth); with the
+    token it is INVALID_ARGUMENT, in the JSON call log with the request id; no gRPC
+    "Unexpected DecodeError" line."""
+    import json
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime_fixture", str(port), TOKEN], cwd=ROOT, env=subprocess_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(channel).result(timeout=60)
+        rank_raw = channel.unary_unary(RANK)
+        with pytest.raises(grpc.RpcError) as caught:
+            rank_raw(GARBAGE, metadata=(("x-request-id", "garbage-1"),), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as caught:
+            rank_raw(GARBAGE, metadata=(("x-request-id", "garbage-2"), ("authorization", f"Bearer {TOKEN}")),
+                     timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+        text = process.stderr.read().decode()
+        lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        calls = {line["request_id"]: line for line in lines if line.get("event") == "call"}
+        assert calls["garbage-1"]["code"] == "UNAUTHENTICATED"
+        assert calls["garbage-2"]["code"] == "INVALID_ARGUMENT" and calls["garbage-2"]["method"] == RANK
+        assert "DecodeError" not in text and all(line.startswith("{") for line in text.splitlines() if line.strip())
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_each_rpc_has_its_own_receive_limit_checked_before_parsing(server):
+    """GetTaskHistory takes at most 64 KiB: 100 KB of ids is RESOURCE_EXHAUSTED naming the
+    limit (garbage of that size too: the size is checked first). UpdateWeights takes the
+    server's ceiling (1 MiB here): 900 KB chunks pass, 2 MiB is refused by gRPC itself."""
+    from leap.policy.v1 import policy_pb2
+
+    stub = stub_for(server.address)
+    channel = grpc.insecure_channel(server.address)
+    too_many_ids = reward_pb2.GetTaskHistoryRequest(task_ids=["t" * 1000] * 100).SerializeToString()
+    for request in (too_many_ids, GARBAGE * 10_000):
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary("/leap.reward.v1.RewardService/GetTaskHistory")(request, timeout=10)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "65536-byte limit of GetTaskHistory" in caught.value.details()
+        (info,) = [d for d in details_of(caught.value) if isinstance(d, error_details_pb2.ErrorInfo)]
+        assert info.reason == "REQUEST_TOO_LARGE" and info.metadata["limit_bytes"] == "65536"
+    with pytest.raises(grpc.RpcError) as caught:  # just under the limit: parsed, and refused for what it says
+        stub.GetTaskHistory(reward_pb2.GetTaskHistoryRequest(task_ids=["t" * 1000] * 60), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    weights = policy_pb2_grpc_stub(server.address)
+    chunk = policy_pb2.UpdateWeightsRequest(chunk=policy_pb2.TensorChunk(data=b"w" * 900_000))
+    assert weights.UpdateWeights(iter([chunk] * 3), timeout=30).bytes_received == 2_700_000
+    with pytest.raises(grpc.RpcError) as caught:
+        weights.UpdateWeights(iter([policy_pb2.UpdateWeightsRequest(chunk=policy_pb2.TensorChunk(
+            data=b"w" * 2_000_000))]), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def policy_pb2_grpc_stub(address: str):
+    from leap.policy.v1 import policy_pb2_grpc
+
+    return policy_pb2_grpc.PolicyServiceStub(grpc.insecure_channel(address))
+
+
+def test_a_limit_for_an_rpc_the_service_lacks_is_refused_at_start():
+    from leap.runtime import Registration, Service
+    from leap.runtime.server import method_rules
+
+    registration = Registration("leap.reward.v1.RewardService", reward_pb2_grpc.add_RewardServiceServicer_to_server,
+                                object(), request_limits={"Rnak": 1024})
+    with pytest.raises(ValueError, match="no RPC Rnak"):
+        method_rules([registration], 1 << 20)
+    assert Service  # the registration above is what a Service holds
+
+
+def ranked(speedups: list[float]) -> reward_pb2.RankRequest:
+    trajectories = [reward_pb2.Trajectory(turns=[reward_pb2.TurnResult(speedup=s)]) for s in speedups]
+    return reward_pb2.RankRequest(groups=[reward_pb2.RankGroup(task_id="ok", trajectories=trajectories)])
+
+
+def test_non_finite_floats_are_refused_naming_each_field(server):
+    stub = stub_for(server.address)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Rank(ranked([1.0, float("nan"), float("inf"), -float("inf"), 2.0]), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violated_fields_of(caught.value) == [f"groups[0].trajectories[{i}].turns[0].speedup" for i in (1, 2, 3)]
+    assert "finite" in caught.value.details()
+    assert stub.Rank(ranked([1.0, 5e-324, 1e308]), timeout=10).results[0].task_id == "ok"
+
+
+def test_a_float_field_can_be_exempted_from_the_finite_check():
+    import dataclasses
+
+    from leap.runtime import Registration
+
+    base = build_service()
+    reward = dataclasses.replace(base.registrations[0], finite_exempt=frozenset({"leap.reward.v1.TurnResult.speedup"}))
+    assert isinstance(reward, Registration)
+    service = dataclasses.replace(base, registrations=[reward, *base.registrations[1:]])
+    with BackgroundServer(service, ServerConfig(port=free_port(), drain_seconds=0.0)) as running:
+        assert stub_for(running.address).Rank(ranked([float("inf")]), timeout=10).results[0].task_id == "ok"
+
+
+def test_non_finite_fields_walks_maps_repeated_and_nested_messages():
+    from google.protobuf import struct_pb2
+
+    from leap.runtime.checks import has_floats, non_finite_fields
+
+    value = struct_pb2.Struct()
+    value.update({"lr": float("inf"), "ok": 1.0, "nested": {"x": [1.0, float("nan")]}})
+    nested = "fields['nested'].struct_value.fields['x'].list_value.values[1].number_value"
+    assert sorted(non_finite_fields(value)) == ["fields['lr'].number_value", nested]
+    assert list(non_finite_fields(value, frozenset({"google.protobuf.Value.number_value"}))) == []
+    assert not has_floats(reward_pb2.GetTaskHistoryRequest.DESCRIPTOR) and has_floats(reward_pb2.RankRequest.DESCRIPTOR)
+
+
+# -- the authorization header (item 12) --------------------------------------------------
+
+
+def test_bearer_scheme_is_case_insensitive_and_duplicate_headers_are_refused():
+    running = start(auth_token=TOKEN)
+    try:
+        stub = stub_for(running.address)
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert stub.Rank(rank("ok"), metadata=(("authorization", f"{scheme} {TOKEN}"),), timeout=10).results
+        duplicates = [(("authorization", f"Bearer {TOKEN}"), ("authorization", "Bearer wrong")),
+                      (("authorization", "Bearer wrong"), ("authorization", f"Bearer {TOKEN}")),
+                      (("authorization", f"Bearer {TOKEN}"), ("authorization", f"Bearer {TOKEN}"))]
+        for metadata in duplicates:
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Rank(rank("ok"), metadata=metadata, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "exactly one" in caught.value.details()
+        for value in ("Basic " + TOKEN, "Bearer " + TOKEN + "x", "Bearer", TOKEN, "Bearer " + "x" * 5000):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Rank(rank("ok"), metadata=(("authorization", value),), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        running.stop()
+
+
+# -- settings and TLS mistakes are one friendly line (item 12) -----------------------------
+
+
+def serve_fails(capsys, service: str, *args: str) -> str:
+    """`leap serve SERVICE ARGS` run in this process: exit code 2 and one line on stderr."""
+    from leap.cli import main
+
+    assert main(["serve", service, "--port", str(free_port()), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("leap serve: "), lines
+    return lines[0]
+
+
+def test_bad_numbers_in_flags_are_one_line_naming_the_setting(capsys):
+    result = subprocess.run([sys.executable, "-m", "leap", "serve", "sandbox", "--workers", "-3"], cwd=ROOT,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == "leap serve: workers: must be at least 0, got -3"
+    assert "port: must be at most 65535" in serve_fails(capsys, "reward", "--port", "70000")
+    assert "keepalive_seconds: must be a finite number, got nan" in serve_fails(capsys, "policy", "--keepalive-seconds",
+                                                                                 "nan")
+    assert "grace_seconds: must be at least 0" in serve_fails(capsys, "trainer", "--grace-seconds", "-1")
+    assert "max_concurrent_runs: must be at least 1" in serve_fails(capsys, "distill", "--max-concurrent-runs", "0")
+    assert "log_level: must be one of debug, info, warning, error" in serve_fails(capsys, "reward", "--log-level",
+                                                                                  "loud")
+    assert "timing_trials: expected an integer, got 'ten'" in serve_fails(capsys, "sandbox", "--timing-trials", "ten")
+
+
+def service_config_classes():
+    from leap.commands import SERVICE_MODULES, service_spec
+
+    return [(name, service_spec(name).config_class) for name in SERVICE_MODULES]
+
+
+@pytest.mark.parametrize("name,config_class", service_config_classes(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_declared_range_is_enforced_and_every_default_is_inside_it(name, config_class):
+    """For every service: each default lies in its declared range (or is a non-negative
+    quantity), and one step outside each declared bound is refused naming the setting."""
+    import dataclasses
+
+    from leap.runtime import config as cfg
+
+    checked = 0
+    for f in cfg.fields_of(config_class):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert cfg.range_problem(f, default) == "", f"{name}.{f.name}: its default {default!r} is out of range"
+        for bound, step in (("minimum", -1), ("maximum", +1)):
+            if f.metadata.get(bound) is None:
+                continue
+            kind = cfg.field_type(config_class, f)
+            outside = f.metadata[bound] + step * (1 if kind is int else 0.5)
+            with pytest.raises(ValueError, match=f"^{f.name}: must be at"):
+                cfg.load(config_class, name, env={}, overrides={f.name: str(outside)})
+            checked += 1
+    assert checked >= 3  # the server settings every service has declare ranges
+
+
+def test_tls_mistakes_name_the_real_problem(tmp_path, capsys):
+    certs = make_certificates(tmp_path)
+    assert "tls_cert is set but tls_key is not" in serve_fails(capsys, "reward", "--tls-cert", certs["server.pem"])
+    assert "tls_key is set but tls_cert is not" in serve_fails(capsys, "reward", "--tls-key", certs["server.key"])
+    swapped = serve_fails(capsys, "reward", "--tls-cert", certs["server.key"], "--tls-key", certs["server.pem"])
+    assert "swapped" in swapped and "another process" not in swapped
+    mismatch = serve_fails(capsys, "reward", "--tls-cert", certs["server.pem"], "--tls-key", certs["client.key"])
+    assert "the key does not match the certificate" in mismatch
+    assert "cannot read" in serve_fails(capsys, "reward", "--tls-cert", str(tmp_path / "nope.pem"),
+                                        "--tls-key", certs["server.key"])
+    alone = serve_fails(capsys, "reward", "--tls-client-ca", certs["ca.pem"])
+    assert "tls_client_ca needs tls_cert and tls_key" in alone
+    # An embedder building a Server directly gets the same sentence.
+    with pytest.raises(ValueError, match="swapped"):
+        start(tls_cert=certs["server.key"], tls_key=certs["server.pem"])
+
+
+def test_leap_health_checks_a_tls_and_an_mtls_service(tmp_path, capsys):
+    from leap.cli import main
+
+    certs = make_certificates(tmp_path)
+    tls = start(tls_cert=certs["server.pem"], tls_key=certs["server.key"])
+    mtls = start(tls_cert=certs["server.pem"], tls_key=certs["server.key"], tls_client_ca=certs["ca.pem"])
+    try:
+        assert main(["health", tls.address, "--tls-ca", certs["ca.pem"]]) == 0
+        assert capsys.readouterr().out.strip().endswith(": SERVING")
+        assert main(["health", tls.address, "--timeout", "2"]) == 1  # plaintext against TLS
+        assert "UNREACHABLE" in capsys.readouterr().out
+        client = ["--tls-cert", certs["client.pem"], "--tls-key", certs["client.key"]]
+        assert main(["health", mtls.address, "--tls-ca", certs["ca.pem"], *client]) == 0
+        assert main(["health", mtls.address, "--tls-ca", certs["ca.pem"], "--timeout", "2"]) == 1  # no client cert
+        assert main(["health", mtls.address.replace("127.0.0.1", "localhost"), "--tls-ca", certs["ca.pem"],
+                     "--tls-server-name", "localhost", *client, "--wait", "5"]) == 0
+        capsys.readouterr()
+        assert main(["health", tls.address, "--tls-cert", certs["client.pem"]]) == 2
+        assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    finally:
+        tls.stop()
+        mtls.stop()
+
+
+def test_page_tokens_are_opaque_and_only_ours_for_the_same_query_come_back():
+    import base64
+
+    from leap.runtime.paging import decode_page_token, encode_page_token, is_offset
+
+    query = {"split": "train", "toolchain": 1}
+    token = encode_page_token(100, query)
+    assert "100" not in token and decode_page_token(token, dict(reversed(query.items())), is_offset) == 100
+    forged = [
+        "-5", base64.urlsafe_b64encode(b"-5").decode(), "", "x" * 5000, "%%%", "AAAA",
+        encode_page_token(-5, query), encode_page_token(1.5, query), encode_page_token(True, query),
+        encode_page_token("5", query), encode_page_token(100, {"split": "heldout", "toolchain": 1}),
+        base64.urlsafe_b64encode(b'{"v": 1, "q": "x", "p": NaN}').decode(),
+    ]
+    for bad in forged:
+        with pytest.raises(ValueError):
+            decode_page_token(bad, query, is_offset)

@@ -51,12 +51,16 @@ def settings_parser(spec) -> argparse.ArgumentParser:
 def load_settings(spec, argv: list[str]):
     from leap.cli import UserError
 
+    from leap.runtime.server import check_tls
+
     args = settings_parser(spec).parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config"}
     try:
-        return cfg.load(spec.config_class, spec.name, config_file=args.config, overrides=overrides)
+        settings = cfg.load(spec.config_class, spec.name, config_file=args.config, overrides=overrides)
+        check_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     except ValueError as err:
         raise UserError(str(err)) from None
+    return settings
 
 
 def run(args, extra: list[str]) -> int:

@@ -26,9 +26,9 @@ recovery after a restart (runs that were RUNNING become FAILED with the cause an
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -41,6 +41,7 @@ from leap.common.v1 import common_pb2
 from leap.learning import checkpoint as ckpt
 from leap.learning.metrics import MetricsLog
 from leap.runtime.logging import get_logger
+from leap.runtime.paging import decode_page_token, encode_page_token
 
 RunState = common_pb2.RunState
 PENDING, RUNNING, STOPPING = RunState.RUN_STATE_PENDING, RunState.RUN_STATE_RUNNING, RunState.RUN_STATE_STOPPING
@@ -268,7 +269,7 @@ class RunRegistry:
 
     def list(self, page_size: int = 50, page_token: str = "", state: int = 0) -> tuple[list[RunRecord], str]:
         """A page of runs, newest first, optionally in one state; (runs, next_page_token)."""
-        after = decode_page_token(page_token) if page_token else None
+        after = tuple(decode_page_token(page_token, {"state": state}, _is_run_position)) if page_token else None
         with self._lock:
             runs = sorted(self._records.values(), key=lambda r: (r.create_time, r.run_id), reverse=True)
             if state:
@@ -277,7 +278,7 @@ class RunRegistry:
                 runs = [r for r in runs if (r.create_time, r.run_id) < after]
             page = [self._copy(r) for r in runs[:page_size]]
         more = len(runs) > page_size
-        token = encode_page_token((page[-1].create_time, page[-1].run_id)) if more and page else ""
+        token = encode_page_token([page[-1].create_time, page[-1].run_id], {"state": state}) if more and page else ""
         return page, token
 
     def stop(self, run_id: str) -> RunRecord:
@@ -466,15 +467,8 @@ class RunRegistry:
             self._schedule()
 
 
-def encode_page_token(key: tuple[float, str]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(list(key)).encode()).decode().rstrip("=")
-
-
-def decode_page_token(token: str) -> tuple[float, str]:
-    """The position a page token stands for; ValueError when it is not one of ours."""
-    try:
-        padded = token + "=" * (-len(token) % 4)
-        created, run_id = json.loads(base64.urlsafe_b64decode(padded.encode()))
-        return float(created), str(run_id)
-    except (ValueError, TypeError) as err:
-        raise ValueError("not a page token issued by this service") from err
+def _is_run_position(position: object) -> bool:
+    """A ListRuns position: [create_time (finite, >= 0), run_id]."""
+    return (isinstance(position, list) and len(position) == 2 and isinstance(position[0], (int, float))
+            and not isinstance(position[0], bool) and math.isfinite(position[0]) and position[0] >= 0
+            and isinstance(position[1], str))

@@ -35,10 +35,17 @@ from google.protobuf.message import Message
 
 from leap.common.v1 import common_pb2
 from leap.learning.registry import RequestConflict, RunNotFound, RunRecord, RunRegistry, RunStateError
-from leap.runtime import ServerConfig, Violations, failed_precondition, invalid_argument, not_found, option
+from leap.runtime import KiB, MiB, ServerConfig, Violations, failed_precondition, invalid_argument, not_found, option
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 50
+# The largest request message of each run RPC, in bytes (see leap.runtime.Registration): a
+# run config (task ids, services, optimizer) fits in 1 MiB many times over; the other RPCs
+# carry a run id or a page token.
+RUN_REQUEST_LIMITS: dict[str, int | None] = {
+    "StartRun": 1 * MiB, "GetRun": 16 * KiB, "ListRuns": 16 * KiB, "StopRun": 16 * KiB, "ResumeRun": 16 * KiB,
+    "StreamMetrics": 16 * KiB, "ListCheckpoints": 16 * KiB,
+}
 
 
 def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
@@ -74,14 +81,15 @@ class RunServiceConfig(ServerConfig):
 
     runs_dir: str = option("runs", "Directory of the runs: one folder per run with its record, metrics, TensorBoard "
                            "events, plots and checkpoints (unless a run names its own output_dir).")
-    max_concurrent_runs: int = option(1, "Runs trained at once; later ones wait as PENDING.")
+    max_concurrent_runs: int = option(1, "Runs trained at once; later ones wait as PENDING.", minimum=1)
     auto_resume: bool = option(True, "At start, continue runs a previous process left RUNNING (or stopped by its "
                                "shutdown) from their last checkpoint.")
     device: str = option("auto", "Device of the learner: auto (the GPU of this rank when present, else cpu), cpu, cuda:0 ...")
     preflight_timeout_seconds: float = option(5.0, "How long StartRun waits for each service's health check.")
     service_retry_seconds: float = option(60.0, "How long a run retries a service that stopped answering (with "
                                           "backoff) before it fails with the cause and a resumable checkpoint.")
-    keep_checkpoints: int = option(3, "Checkpoints kept per run, newest first (0 keeps all); the last one is always kept.")
+    keep_checkpoints: int = option(3, "Checkpoints kept per run, newest first (0 keeps all); the last one is always "
+                                      "kept.", minimum=0)
     shutdown_wait_seconds: float = option(120.0, "On shutdown, how long running jobs get to finish their step and "
                                           "checkpoint (they resume at the next start).")
     tensorboard: bool = option(True, "Also write metrics as TensorBoard events (besides events.jsonl).")
@@ -178,8 +186,8 @@ class RunApi:
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         try:
             records, token = self.registry.list(size, request.page_token, request.state)
-        except ValueError:
-            raise invalid_argument("page_token", "is not a token this service issued") from None
+        except ValueError as err:
+            raise invalid_argument("page_token", f"is not a token from a previous response: {err}") from None
         return self.messages.ListRunsResponse(runs=[self.run_message(r) for r in records], next_page_token=token)
 
     async def StopRun(self, request, context):

@@ -9,10 +9,12 @@ from leap.runtime.errors import (
     not_found,
     resource_exhausted,
 )
-from leap.runtime.server import BackgroundServer, Registration, Service, ServiceSpec, serve
+from leap.runtime.server import KiB, MiB, BackgroundServer, Registration, Service, ServiceSpec, serve
 
 __all__ = [
     "DEFAULT_PORTS",
+    "KiB",
+    "MiB",
     "BackgroundServer",
     "Registration",
     "ServerConfig",

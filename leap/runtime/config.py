@@ -8,11 +8,18 @@ without the service name (`LEAP_LOG_LEVEL`), which the service-specific one over
 
 A config file is TOML. When it has a table named after the service (`[sandbox]`), that
 table is used, so one file can configure a whole stack; otherwise its top-level keys are.
+
+Every value is checked against its field's declared range before the config is built
+(`option(0, "...", minimum=0)`, `maximum=`, `choices=`), so `--workers -3` stops `leap serve`
+with one line naming the setting. Floats must be finite, and a setting whose name carries a
+unit of time or size (`_seconds`, `_ms`, `_bytes`, `_gb`) must not be negative unless it
+declares its own range.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -26,8 +33,16 @@ DEFAULT_PORTS = {"policy": 50051, "sandbox": 50052, "reward": 50053, "trainer": 
 SERVICES = tuple(DEFAULT_PORTS)
 
 
-def option(default: Any, help: str, **kwargs: Any) -> Any:
-    """A documented config field."""
+QUANTITY_SUFFIXES = ("_seconds", "_ms", "_bytes", "_gb")
+
+
+def option(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
+           choices: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
+    """A documented config field, with an optional range (inclusive; for a list, of each item)
+    or set of choices, checked when settings are loaded."""
+    for key, value in (("minimum", minimum), ("maximum", maximum), ("choices", choices)):
+        if value is not None:
+            kwargs[key] = value
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
@@ -43,10 +58,14 @@ class ServerConfig:
     """Settings every service shares: where it listens and how it talks."""
 
     host: str = option("127.0.0.1", "Address to bind; 0.0.0.0 listens on every interface.")
-    port: int = option(0, "Port to listen on; 0 means the service's default port.")
-    log_level: str = option("info", "Lowest level logged: debug, info, warning or error.")
-    max_message_bytes: int = option(64 * 1024 * 1024, "Largest request or response message, in bytes.")
-    keepalive_seconds: float = option(30.0, "Interval of HTTP/2 keepalive pings on idle connections, in seconds.")
+    port: int = option(0, "Port to listen on; 0 means the service's default port.", minimum=0, maximum=65535)
+    log_level: str = option("info", "Lowest level logged: debug, info, warning or error.",
+                            choices=("debug", "info", "warning", "error"))
+    max_message_bytes: int = option(64 * 1024 * 1024, "Largest request or response message, in bytes; each RPC "
+                                    "also has its own, smaller limit (see the README's Errors).",
+                                    minimum=64 * 1024, maximum=2**31 - 1)
+    keepalive_seconds: float = option(30.0, "Interval of HTTP/2 keepalive pings on idle connections, in seconds.",
+                                      minimum=1.0)
     drain_seconds: float = option(1.0, "On SIGTERM, how long health reports NOT_SERVING while calls are still accepted, "
                                   "so load balancers and probes move away first, in seconds.")
     grace_seconds: float = option(10.0, "After the drain, how long in-flight calls may take to finish, in seconds.")
@@ -125,7 +144,32 @@ def load(
         if value is not None:
             values[name] = value
     parsed = {name: parse_value(field_type(cls, known[name]), value, name) for name, value in values.items()}
+    problems = [problem for name, value in parsed.items() if (problem := range_problem(known[name], value))]
+    if problems:
+        raise ValueError("; ".join(problems))
     return cls(**parsed)
+
+
+def range_problem(f: dataclasses.Field, value: Any) -> str:
+    """Why `value` is outside the declared range of setting `f` (empty when it is inside)."""
+    meta = f.metadata
+    choices = meta.get("choices")
+    if choices is not None and (value.lower() if isinstance(value, str) else value) not in choices:
+        return f"{f.name}: must be one of {', '.join(map(str, choices))}, got {value!r}"
+    items = value if isinstance(value, list) else [value]
+    minimum, maximum = meta.get("minimum"), meta.get("maximum")
+    if minimum is None and maximum is None and f.name.endswith(QUANTITY_SUFFIXES):
+        minimum = 0
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            continue
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"{f.name}: must be a finite number, got {item}"
+        if minimum is not None and item < minimum:
+            return f"{f.name}: must be at least {minimum}, got {item}"
+        if maximum is not None and item > maximum:
+            return f"{f.name}: must be at most {maximum}, got {item}"
+    return ""
 
 
 def read_config_file(path: str | os.PathLike, service: str) -> dict[str, Any]:

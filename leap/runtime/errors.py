@@ -34,7 +34,7 @@ MAX_VALUE_CHARS = 120  # an echoed value (a name, an id, a path) in a message or
 MAX_FIELD_CHARS = 200  # a field path
 MAX_DESCRIPTION_CHARS = 400  # a violation's description, or any other string of a detail
 MAX_VIOLATIONS = 20  # field violations listed; the rest are counted in one "..." entry
-MAX_MESSAGE_WIRE_BYTES = 512  # the status message as sent (percent-encoded grpc-message)
+MAX_MESSAGE_WIRE_BYTES = 768  # the status message as sent (percent-encoded grpc-message)
 # grpc-message plus grpc-status-details-bin (base64 of the Status, which repeats the message):
 # half of the 8 KiB a default client accepts, leaving room for every other trailer.
 MAX_STATUS_WIRE_BYTES = 4096
@@ -246,14 +246,27 @@ class Violations:
                       for field, description in listed]
         if len(self.items) > len(listed):
             violations.append(_more_entry(len(self.items) - len(listed)))
+        # The message names as many violations as fit (then only their fields, then a count):
+        # a person reading a log line learns what was wrong; a program reads the BadRequest.
+        budget = MAX_MESSAGE_WIRE_BYTES - 80  # room for the prefix and the count
+        used = 0
         parts: list[str] = []
         for field, description in self.items:
-            part = shorten(f"{field}: {description}", 2 * MAX_VALUE_CHARS)
-            if parts and sum(len(p) + 2 for p in parts) + len(part) > MAX_MESSAGE_WIRE_BYTES // 2:
+            part = shorten(f"{field}: {description}", MAX_VALUE_CHARS)
+            if parts and used + message_wire_bytes(part) + 2 > budget * 3 // 5:  # the rest for names
                 break
             parts.append(part)
-        rest = len(self.items) - len(parts)
-        message = "; ".join(parts) + (f"; and {rest} more (see the BadRequest details)" if rest else "")
+            used += message_wire_bytes(part) + 2
+        names: list[str] = []
+        for field, _ in self.items[len(parts):]:
+            name = shorten(field, MAX_VALUE_CHARS // 2)
+            if used + message_wire_bytes(name) + 2 > budget:
+                break
+            names.append(name)
+            used += message_wire_bytes(name) + 2
+        rest = len(self.items) - len(parts) - len(names)
+        message = "; ".join(parts) + (f"; also {', '.join(names)}" if names else "") + \
+            (f"; and {rest} more (see the BadRequest details)" if rest else "")
         return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {message}",
                             [error_details_pb2.BadRequest(field_violations=violations)])
 

@@ -17,29 +17,47 @@ import asyncio
 import dataclasses
 import faulthandler
 import signal
+import ssl
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from leap.runtime.config import DEFAULT_PORTS, ServerConfig
-from leap.runtime.interceptors import CallInterceptor
+from leap.runtime.interceptors import DEFAULT_REQUEST_BYTES, CallInterceptor, MethodRules
 from leap.runtime.logging import configure_logging, get_logger
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+KiB = 1024
+MiB = 1024 * KiB
+# The runtime's own services: a health request names a service; a reflection request a
+# symbol or file.
+RUNTIME_LIMITS = {f"/{HEALTH_SERVICE}/Check": 16 * KiB, f"/{HEALTH_SERVICE}/Watch": 16 * KiB,
+                  f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": 64 * KiB}
 
 
 @dataclasses.dataclass
 class Registration:
-    """One gRPC service implementation to add to the server."""
+    """One gRPC service implementation to add to the server.
+
+    `request_limits` is the service's table of request sizes: RPC name to the largest request
+    message it may legitimately carry, in bytes (each message, for a client stream), or None
+    for the server's `max_message_bytes` (weight chunks). A request over its RPC's limit is
+    RESOURCE_EXHAUSTED before it is parsed; an RPC left out gets DEFAULT_REQUEST_BYTES.
+    `finite_exempt` names float fields (`leap.x.v1.Message.field`) that may be NaN or
+    infinite; every other float of every request must be finite (see leap.runtime.checks).
+    """
 
     service_name: str  # full name, for example "leap.sandbox.v1.SandboxService"
     add_to_server: Callable[[Any, grpc.aio.Server], None]
     servicer: Any
+    request_limits: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+    finite_exempt: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass
@@ -62,10 +80,33 @@ class ServiceSpec:
     description: str = ""
 
 
-def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
+def method_rules(registrations: list[Registration], ceiling: int) -> dict[str, MethodRules]:
+    """Each RPC's request rules, by full method path: its service's limit (at most `ceiling`,
+    the server's max_message_bytes) and finite-float exemptions. A limit for an RPC the
+    service does not have is a mistake, raised here."""
+    rules = {path: MethodRules(min(limit, ceiling)) for path, limit in RUNTIME_LIMITS.items()}
+    for registration in registrations:
+        try:
+            descriptor = descriptor_pool.Default().FindServiceByName(registration.service_name)
+            methods = [m.name for m in descriptor.methods]
+        except KeyError:  # a service whose descriptor is not in the default pool
+            methods = list(registration.request_limits)
+        unknown = sorted(set(registration.request_limits) - set(methods))
+        if unknown:
+            raise ValueError(f"{registration.service_name} has no RPC {', '.join(unknown)} (request_limits)")
+        for name in methods:
+            limit = registration.request_limits.get(name, DEFAULT_REQUEST_BYTES)
+            rules[f"/{registration.service_name}/{name}"] = MethodRules(
+                min(ceiling if limit is None else limit, ceiling), frozenset(registration.finite_exempt))
+    return rules
+
+
+def server_options(config: ServerConfig, receive_limit: int | None = None) -> list[tuple[str, Any]]:
+    """gRPC server options; `receive_limit` (the largest of the RPCs' limits) caps what gRPC
+    accepts at all, so a request larger than any RPC may carry is refused before it is read."""
     keepalive_ms = int(config.keepalive_seconds * 1000)
     return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", min(receive_limit or config.max_message_bytes, config.max_message_bytes)),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", keepalive_ms),
         ("grpc.keepalive_timeout_ms", 20_000),
@@ -76,11 +117,56 @@ def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def check_tls(cert: str, key: str, client_ca: str = "") -> None:
+    """Raise ValueError saying what is wrong with a server's TLS files, if anything: one of
+    tls_cert and tls_key without the other, a file missing or unreadable, no PEM certificate
+    or key where one belongs (swapped files are named as such), a key that does not match its
+    certificate, a client CA that does not load."""
+    if not (cert or key):
+        if client_ca:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mTLS is TLS with client certificates)")
+        return
+    if not (cert and key):
+        missing, given = ("tls_key", "tls_cert") if cert else ("tls_cert", "tls_key")
+        raise ValueError(f"{given} is set but {missing} is not: TLS needs both a certificate and its private key")
+    texts = {}
+    for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_client_ca", client_ca)):
+        if not path:
+            continue
+        try:
+            texts[name] = Path(path).read_text(errors="replace")
+        except OSError as err:
+            raise ValueError(f"{name}: cannot read {path!r}: {err.strerror or err}") from None
+    has_cert = {name: "-----BEGIN CERTIFICATE-----" in text for name, text in texts.items()}
+    has_key = {name: "PRIVATE KEY-----" in text for name, text in texts.items()}
+    if has_key["tls_cert"] and has_cert["tls_key"] and not has_cert["tls_cert"]:
+        raise ValueError(f"tls_cert {cert!r} holds a private key and tls_key {key!r} a certificate: "
+                         f"the two files are swapped")
+    if not has_cert["tls_cert"]:
+        raise ValueError(f"tls_cert {cert!r} holds no PEM certificate ('-----BEGIN CERTIFICATE-----')")
+    if not has_key["tls_key"]:
+        raise ValueError(f"tls_key {key!r} holds no PEM private key ('-----BEGIN ... PRIVATE KEY-----')")
+    if "ENCRYPTED" in texts["tls_key"]:
+        raise ValueError(f"tls_key {key!r} is encrypted; gRPC needs an unencrypted private key")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as err:
+        why = "the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(err) else str(err)
+        raise ValueError(f"tls_cert {cert!r} and tls_key {key!r} do not load: {why}") from None
+    if client_ca:
+        if not has_cert["tls_client_ca"]:
+            raise ValueError(f"tls_client_ca {client_ca!r} holds no PEM certificate")
+        try:
+            context.load_verify_locations(client_ca)
+        except ssl.SSLError as err:
+            raise ValueError(f"tls_client_ca {client_ca!r} does not load: {err}") from None
+
+
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    check_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
     if not (config.tls_cert or config.tls_key):
         return None
-    if not (config.tls_cert and config.tls_key):
-        raise ValueError("TLS needs both tls_cert and tls_key")
     pair = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
     client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
@@ -98,8 +184,11 @@ class Server:
         self.config = config
         self.log = get_logger(f"leap.{service.name}")
         self.health = health.aio.HealthServicer()
-        self.interceptor = CallInterceptor(config.auth_token, exempt_prefixes=(f"/{HEALTH_SERVICE}/",))
-        self.grpc_server = grpc.aio.server(interceptors=[self.interceptor], options=server_options(config))
+        rules = method_rules(service.registrations, config.max_message_bytes)
+        self.interceptor = CallInterceptor(config.auth_token, exempt_prefixes=(f"/{HEALTH_SERVICE}/",), rules=rules)
+        receive_limit = max(rule.limit_bytes for rule in rules.values())
+        self.grpc_server = grpc.aio.server(interceptors=[self.interceptor],
+                                           options=server_options(config, receive_limit))
         self.port = 0
         self._stopped = asyncio.Event()
         self._stop_requested = asyncio.Event()
