@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.prebuild import prebuilt, pytest_collection_finish  # noqa: F401  (the hook builds before the tests)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -103,15 +105,18 @@ def task_suite() -> list:
     return list(load_suite())
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir() -> Path:
+def build_tiny_model() -> Path:
     """The bootstrapped tiny model (leap.bootstrap, default config) of the task suite: a
     Hugging Face model directory that both policy backends load. Built once per cache key
     under .leap-cache/bootstrap/ and shared by every test of the session (and later runs);
     treat it as read-only (copy it to change it). LEAP_TINY_MODEL_DIR names a model
-    directory to use instead (one built earlier, or elsewhere)."""
+    directory to use instead (one built earlier, or elsewhere). Built before the first test
+    when a selected test uses it (tests/prebuild.py), so no test's timeout covers the build."""
     from leap.bootstrap import bootstrap_model
 
     if os.environ.get("LEAP_TINY_MODEL_DIR"):
         return Path(os.environ["LEAP_TINY_MODEL_DIR"]).resolve()
-    return bootstrap_model(tasks=task_suite(), cache_dir=BOOTSTRAP_CACHE, progress=False)
+    return bootstrap_model(tasks=task_suite(), cache_dir=BOOTSTRAP_CACHE, progress=True)
+
+
+tiny_model_dir = prebuilt("tiny_model_dir", build_tiny_model)
