@@ -462,6 +462,11 @@ def test_non_finite_floats_are_refused_naming_each_field(server):
     assert violated_fields_of(caught.value) == [f"groups[0].trajectories[{i}].turns[0].speedup" for i in (1, 2, 3)]
     assert "finite" in caught.value.details()
     assert stub.Rank(ranked([1.0, 5e-324, 1e308]), timeout=10).results[0].task_id == "ok"
+    big = ranked([1.5] * 30_000 + [float("nan")])  # over 256 KiB: parsed and walked on a worker thread
+    assert big.ByteSize() > 256 * 1024
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Rank(big, timeout=30)
+    assert violated_fields_of(caught.value) == ["groups[0].trajectories[30000].turns[0].speedup"]
 
 
 def test_a_float_field_can_be_exempted_from_the_finite_check():
@@ -629,3 +634,20 @@ def test_page_tokens_are_opaque_and_only_ours_for_the_same_query_come_back():
     for bad in forged:
         with pytest.raises(ValueError):
             decode_page_token(bad, query, is_offset)
+
+
+def test_the_non_finite_prefilter_never_skips_a_non_finite_float():
+    """MAYBE_NON_FINITE (the byte pattern every NaN and infinity of any sign has in float and
+    double encodings) matches every non-finite value and rarely an ordinary request."""
+    import math
+    import struct
+
+    from leap.runtime.interceptors import MAYBE_NON_FINITE
+
+    specials = [math.nan, -math.nan, math.inf, -math.inf, struct.unpack("<d", b"\xff" * 8)[0]]
+    for value in specials:
+        for fmt in ("<d", "<f"):
+            assert MAYBE_NON_FINITE.search(b"\x00" + struct.pack(fmt, value) + b"\x00"), (value, fmt)
+    group = reward_pb2.RankGroup(task_id="ok", trajectories=[reward_pb2.Trajectory(turns=[
+        reward_pb2.TurnResult(stage=5, speedup=1.0 + i / 7, generated_tokens=100 + i)]) for i in range(200)])
+    assert MAYBE_NON_FINITE.search(reward_pb2.RankRequest(groups=[group]).SerializeToString()) is None

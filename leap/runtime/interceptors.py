@@ -57,6 +57,12 @@ DEFAULT_REQUEST_BYTES = 4 * 1024 * 1024
 # A refused request at least this large has the C library hand its freed memory back to the
 # OS soon after (see release_freed_memory).
 RELEASE_ABOVE_BYTES = 1024 * 1024
+# Unary requests larger than this are parsed and checked on a worker thread.
+OFFLOAD_ABOVE_BYTES = 256 * 1024
+# Every NaN or infinite float has, in its little-endian encoding, a byte >= 0x80 followed by
+# 0x7F or 0xFF (the exponent's bits all set): request bytes without such a pair hold only
+# finite floats, and their message is not walked at all (one scan in C).
+MAYBE_NON_FINITE = re.compile(rb"[\x80-\xff][\x7f\xff]")
 
 log = get_logger("leap.calls")
 _release_pending = False
@@ -166,11 +172,13 @@ class _Call:
     def rpc(self) -> str:
         return self.method.rsplit("/", 1)[-1]
 
-    def parse(self, raw: Any, deserialize: Callable[[bytes], Any] | None, where: str = "request") -> Any:
-        """The request message of `raw` bytes, checked (size, parse, finite floats)."""
-        # `raw` is dropped before anything is raised: a traceback keeps its frames (and so the
-        # request's bytes, up to max_message_bytes) alive until the cyclic GC runs, and a
-        # client sending oversized requests would pile them up.
+    def parse(self, box: list, deserialize: Callable[[bytes], Any] | None, where: str = "request") -> Any:
+        """The request message of the raw bytes in `box` (taken out of it), checked: size,
+        parse, finite floats."""
+        # The bytes travel in a box and are dropped before anything is raised: a traceback
+        # keeps its frames (and so the request's bytes, up to max_message_bytes) alive until
+        # the cyclic GC runs, and a client sending oversized requests would pile them up.
+        raw = box.pop()
         if deserialize is None or not isinstance(raw, (bytes, bytearray, memoryview)):
             return raw
         size = len(raw)
@@ -190,8 +198,9 @@ class _Call:
             name = kind.DESCRIPTOR.full_name if hasattr(kind, "DESCRIPTOR") else "request"
             problem = f"is not a valid {name} message ({type(err).__name__}: {err})"
             raise Violations().add(where, problem).error() from None
+        maybe_non_finite = MAYBE_NON_FINITE.search(raw) is not None
         del raw
-        if hasattr(message, "DESCRIPTOR"):
+        if maybe_non_finite and hasattr(message, "DESCRIPTOR"):
             prefix = "" if where == "request" else f"{where}."
             bad = list(non_finite_fields(message, self.rules.finite_exempt, prefix))
             if bad:
@@ -201,13 +210,21 @@ class _Call:
                 violations.raise_if_any()
         return message
 
+    async def parse_unary(self, box: list, deserialize: Callable[[bytes], Any] | None) -> Any:
+        """`parse`, on a worker thread for a large request (so parsing and walking megabytes
+        never stall health checks and other calls on the event loop)."""
+        size = len(box[0]) if isinstance(box[0], (bytes, bytearray, memoryview)) else 0
+        if OFFLOAD_ABOVE_BYTES < size <= self.rules.limit_bytes:
+            return await asyncio.to_thread(self.parse, box, deserialize)
+        return self.parse(box, deserialize)
+
     async def parse_stream(self, raw_messages: AsyncIterator[Any],
                            deserialize: Callable[[bytes], Any] | None) -> AsyncIterator[Any]:
         index = 0
         async for raw in raw_messages:
             box = [raw]
             del raw
-            yield self.parse(box.pop(), deserialize, f"messages[{index}]")
+            yield self.parse(box, deserialize, f"messages[{index}]")
             index += 1
 
     async def guard(self, context: grpc.aio.ServicerContext, body: Callable[[], Any]) -> AsyncIterator[Any]:
@@ -247,8 +264,6 @@ class _Call:
 
 
 def _is_cancel(err: BaseException) -> bool:
-    import asyncio
-
     return isinstance(err, asyncio.CancelledError)
 
 
@@ -265,9 +280,10 @@ def _code_of(context: grpc.aio.ServicerContext, fallback: grpc.StatusCode) -> gr
     return fallback
 
 
-async def _results(behavior: Callable[..., Any], request: Any, context: Any) -> AsyncIterator[Any]:
-    """Yield whatever a behavior produces: a value, an awaitable, or a (async) generator."""
-    result = behavior(request, context)
+async def _results(behavior: Callable[..., Any], request: Awaitable[Any], context: Any) -> AsyncIterator[Any]:
+    """Yield whatever a behavior produces from the awaited request: a value, an awaitable, or
+    a (async) generator."""
+    result = behavior(await request, context)
     if inspect.isasyncgen(result):
         async for item in result:
             yield item
@@ -287,10 +303,10 @@ def _wrap(handler: grpc.RpcMethodHandler, call: _Call) -> grpc.RpcMethodHandler:
     `guard`, after auth (a client stream's messages one by one as the behavior reads them)."""
     deserialize = handler.request_deserializer
 
-    def request_of(box: list) -> Any:  # the raw request travels in a box, so no frame keeps it (see parse)
+    async def request_of(box: list) -> Any:  # the raw request travels in a box, so no frame keeps it (see parse)
         if handler.request_streaming:
             return call.parse_stream(box.pop(), deserialize)
-        return call.parse(box.pop(), deserialize)
+        return await call.parse_unary(box, deserialize)
 
     if handler.response_streaming:
         behavior = handler.unary_stream or handler.stream_stream
