@@ -40,7 +40,7 @@ from typing import Any
 import grpc
 import structlog
 
-from leap.runtime.checks import non_finite_fields
+from leap.runtime.checks import has_floats, non_finite_fields
 from leap.runtime.errors import ServiceError, Violations, error_info
 from leap.runtime.logging import get_logger
 
@@ -198,9 +198,10 @@ class _Call:
             name = kind.DESCRIPTOR.full_name if hasattr(kind, "DESCRIPTOR") else "request"
             problem = f"is not a valid {name} message ({type(err).__name__}: {err})"
             raise Violations().add(where, problem).error() from None
-        maybe_non_finite = MAYBE_NON_FINITE.search(raw) is not None
+        maybe_non_finite = hasattr(message, "DESCRIPTOR") and has_floats(message.DESCRIPTOR) and \
+            MAYBE_NON_FINITE.search(raw) is not None
         del raw
-        if maybe_non_finite and hasattr(message, "DESCRIPTOR"):
+        if maybe_non_finite:
             prefix = "" if where == "request" else f"{where}."
             bad = list(non_finite_fields(message, self.rules.finite_exempt, prefix))
             if bad:
