@@ -491,7 +491,7 @@ class TrainingJob:
                  for group, result in zip(groups, ranked.results)
                  for episode, trajectory in zip(group.episodes, result.trajectories)]
         kl = self.config.loss.kl_beta > 0
-        kept = [(seq, sampler) for seq, sampler in built if kl or batching.carries_signal(seq)]
+        kept, normalizer = batching.learning_batch(built, kl)
         values = {"sequences/rolled_out": float(len(built)), "sequences/trained": float(len(kept))}
         if not kept:  # every group tied: no gradient this step
             return values | {"time/learn_s": time.perf_counter() - started}
@@ -501,7 +501,8 @@ class TrainingJob:
         columns = {"old_logprobs": old}
         if kl:
             columns["ref_logprobs"] = learner.logprobs(sequences, reference=True)
-        stats = learner.train_step(with_values(sequences, **columns), GrpoObjective(self.loss_config()))
+        stats = learner.train_step(with_values(sequences, **columns), GrpoObjective(self.loss_config()),
+                                   normalizer=normalizer)
         values.update({k: v for k, v in stats.items() if k != "seconds"})
         values["tokens/trained"] = values.pop("tokens", 0.0)
         values["time/learn_s"] = time.perf_counter() - started
