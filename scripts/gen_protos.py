@@ -24,7 +24,9 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
 def proto_files() -> list[Path]:
-    return sorted(PROTOS.rglob("*.proto"))
+    """Our contracts; protos/google/ holds googleapis' files, whose Python bindings come from
+    the googleapis-common-protos package."""
+    return sorted((PROTOS / OUT_PACKAGE).rglob("*.proto"))
 
 
 def generate(out_dir: Path) -> None:
