@@ -14,7 +14,9 @@ import math
 from leap.common.v1 import common_pb2
 from leap.distill.v1 import distill_pb2
 from leap.learning import check_model_dir
-from leap.learning.run_config import fill_optimizer, fill_sampling, optimizer_violations, sampling_violations
+from leap.learning.run_config import (
+    fill_optimizer, fill_sampling, optimizer_violations, report_to_violations, sampling_violations,
+)
 from leap.runtime import Violations
 from svc_distill.losses import TuOpdConfig
 
@@ -79,6 +81,7 @@ def violations(config: distill_pb2.DistillConfig, prefix: str = "config.") -> Vi
           f"must be at least 1 (0 means the default, {DEFAULT_SAMPLES_PER_EXAMPLE})")
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
+    report_to_violations(config.report_to, prefix + "report_to", v)
     check(config.objective in Objective.values(), "objective", f"unknown objective {config.objective}")
     if config.HasField("reliability_threshold"):
         check(0 <= config.reliability_threshold <= 1, "reliability_threshold",

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from leap.common.v1 import common_pb2
 from leap.learning import check_model_dir
-from leap.learning.run_config import fill_optimizer, fill_sampling, optimizer_violations, sampling_violations
+from leap.learning.run_config import (
+    fill_optimizer, fill_sampling, optimizer_violations, report_to_violations, sampling_violations,
+)
 from leap.reward.v1 import reward_pb2
 from leap.runtime import Violations
 from leap.trainer.v1 import trainer_pb2
@@ -108,6 +110,7 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
         check(config.max_turns <= 1, "max_turns", "single-turn mode has one turn; leave max_turns unset or 1")
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
+    report_to_violations(config.report_to, prefix + "report_to", v)
     loss = config.loss
     if loss.HasField("clip_low"):
         check(0 <= loss.clip_low < 1, "loss.clip_low", "must be in [0, 1)")

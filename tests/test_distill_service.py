@@ -142,6 +142,7 @@ def refused(distill, config) -> dict[str, str]:
     (dict(eval_tasks=["relu"]), "config.eval_tasks", "held-out"),
     (dict(teachers=[distill_pb2.TeacherEndpoint(name="teacher-1")] * 2), "config.teachers[1].name", "twice"),
     (dict(teacher_union_path=""), "config.teacher_union_path", "required"),
+    (dict(report_to=["mlflow", "neptune"]), "config.report_to[1]", "must be one of mlflow, wandb, trackio"),
 ])
 def test_bad_fields_are_refused_with_the_field_named(distill, models, changes, field, words):
     assert words in refused(distill, run_config(models, **changes))[field]
