@@ -40,7 +40,7 @@ def test_a_mistyped_option_is_one_friendly_line(args, words):
 
 
 @pytest.mark.slow
-def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path):
+def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path, monkeypatch):
     done = leap("demo", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--report-to", "mlflow", *SMALL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
@@ -57,7 +57,8 @@ def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
     (tracked,) = [line for line in report["trackers"] if line.startswith("mlflow:")]
-    assert "mlflow ui --backend-store-uri file:" in tracked and "reported to mlflow:" in text
+    assert "MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file:" in tracked and "reported to mlflow:" in text
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the report says, to read MLflow 3's file store
     client = MlflowClient(tracking_uri=(run_dir.parent / "mlruns").resolve().as_uri())
     (experiment,) = [e for e in client.search_experiments() if e.name == "leap"]
     (run,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`leap.run_id` = '{report['run_id']}'")

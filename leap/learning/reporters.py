@@ -16,8 +16,9 @@ Local by default, so no account is needed:
 
 - mlflow: `MLFLOW_TRACKING_URI` when set (a server, a database); else a file store `mlruns/`
   in the service's runs directory, shared by its runs so they compare in one UI
-  (`mlflow ui --backend-store-uri runs/trainer/mlruns`). MLflow 3 keeps the file store in
-  maintenance mode behind `MLFLOW_ALLOW_FILE_STORE`, which this default sets. Experiment
+  (`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri runs/trainer/mlruns`). MLflow 3
+  keeps the file store in maintenance mode behind `MLFLOW_ALLOW_FILE_STORE`, which this
+  default sets in the service (a reader of the store sets it too). Experiment
   `MLFLOW_EXPERIMENT_NAME`, default "leap"; run name the display name or run id.
 - wandb: `WANDB_MODE` when set; else online with `WANDB_API_KEY` and offline without (files
   under the run's directory, uploaded later with `wandb sync`). Project `WANDB_PROJECT`,
@@ -150,7 +151,7 @@ def where_reported(output_dir: str | os.PathLike) -> list[str]:
     lines = []
     if "mlflow" in state:
         uri = state["mlflow"].get("tracking_uri", "")
-        look = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("file:") else uri
+        look = f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {uri}" if uri.startswith("file:") else uri
         lines.append(f"mlflow: run {state['mlflow'].get('run_id', '?')} ({look})")
     if "wandb" in state:
         wandb = state["wandb"]
