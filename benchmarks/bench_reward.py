@@ -108,7 +108,7 @@ def main() -> None:
     per_group["Rank, in-process"] = median_seconds(lambda: [rank_group(g, params) for g in rank_groups], args.repeats)
 
     with tempfile.TemporaryDirectory() as folder:
-        config = RewardConfig(port=_free_port(), drain_seconds=0.0, history_path=str(Path(folder) / "history.json"))
+        config = RewardConfig(port=_free_port(), drain_seconds=0.0, history_path=str(Path(folder) / "history.sqlite3"))
         with BackgroundServer(build(config), config) as server, grpc.insecure_channel(server.address) as channel:
             stub = reward_pb2_grpc.RewardServiceStub(channel)
             dry, recording = gate_request(gate_groups, dry_run=True), gate_request(gate_groups, dry_run=False)

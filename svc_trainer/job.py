@@ -44,6 +44,7 @@ from leap.learning.registry import RunContext, RunFailure
 from leap.policy.v1 import policy_pb2
 from leap.reward.v1 import reward_pb2
 from leap.rollouts import Endpoints, Episode, Rollouts, derive_seed
+from leap.runtime.errors import error_reasons
 from leap.sandbox.v1 import sandbox_pb2
 from leap.tokenization import tokenizer_fingerprint
 from leap.trainer.v1 import trainer_pb2
@@ -114,38 +115,62 @@ def decisions_of(reply: reward_pb2.GateResponse, groups: int) -> Sequence[reward
     return reply.decisions
 
 
+def gate_key(run_id: str, step: int, group: int | None = None) -> str:
+    """The idempotency key of a step's Gate call (one per group, or one for the step in
+    adaptive mode): the same on every attempt of the step, so a step played again after a
+    kill or a resume is not counted twice in the reward service's task history."""
+    return f"trainer/{run_id}/step-{step}" + ("" if group is None else f"/group-{group}")
+
+
 class GroupGate:
     """Gates each group as soon as its first turns are judged: one Gate call per group, or,
-    in adaptive mode, one call for the whole step (the expansion budget is per call)."""
+    in adaptive mode, one call for the whole step (the expansion budget is per call). Each
+    call carries an idempotency key of (run, step, group): a replayed step gets the stored
+    decisions of its first attempt (the same decisions, when its rollouts are the same, which
+    seeded sampling makes them), and one whose rollouts differ (a policy that restarted with
+    other weights) is decided as a dry run, since its first attempt already counted."""
 
-    def __init__(self, services: Services, config: reward_pb2.GateConfig, groups: int):
+    def __init__(self, services: Services, config: reward_pb2.GateConfig, groups: int, run_id: str = "", step: int = 0):
         self.services = services
         self.config = config
         self.batched = config.mode == GateMode.GATE_MODE_ADAPTIVE
         self.expected = groups
+        self.run_id = run_id
+        self.step = step
         self.arrived: dict[int, reward_pb2.GateGroup] = {}
         self.futures: dict[int, asyncio.Future] = {}
         self.summaries: list[reward_pb2.GateSummary] = []
 
+    async def call(self, groups: Sequence[reward_pb2.GateGroup], index: int | None) -> reward_pb2.GateResponse:
+        key = gate_key(self.run_id, self.step, index) if self.run_id else ""
+        request = reward_pb2.GateRequest(groups=groups, config=self.config, idempotency_key=key)
+        try:
+            reply = await self.services.call("reward", "Gate", request)
+        except grpc.aio.AioRpcError as err:
+            if not (key and err.code() == grpc.StatusCode.FAILED_PRECONDITION and "IDEMPOTENCY_KEY_REUSED" in error_reasons(err)):
+                raise
+            request.ClearField("idempotency_key")
+            request.dry_run = True
+            reply = await self.services.call("reward", "Gate", request)
+        if not reply.replayed:  # a replay's savings were counted by the attempt that recorded it
+            self.summaries.append(reply.summary)
+        return reply
+
     async def decide(self, index: int, group: reward_pb2.GateGroup) -> reward_pb2.GateDecision:
         if not self.batched:
-            reply = await self.services.call("reward", "Gate", reward_pb2.GateRequest(groups=[group], config=self.config))
-            self.summaries.append(reply.summary)
-            return decisions_of(reply, 1)[0]
+            return decisions_of(await self.call([group], index), 1)[0]
         self.arrived[index] = group
         self.futures[index] = asyncio.get_running_loop().create_future()
         if len(self.arrived) == self.expected:
             order = sorted(self.arrived)
-            request = reward_pb2.GateRequest(groups=[self.arrived[i] for i in order], config=self.config)
             try:
-                reply = await self.services.call("reward", "Gate", request)
+                reply = await self.call([self.arrived[i] for i in order], None)
                 decisions = decisions_of(reply, len(order))
             except BaseException as err:
                 for i in order:  # the other groups' waits fail too; this one raises it itself
                     if i != index and not self.futures[i].done():
                         self.futures[i].set_exception(err)
                 raise
-            self.summaries.append(reply.summary)
             for i, decision in zip(order, decisions):
                 self.futures[i].set_result(decision)
         return await self.futures[index]
@@ -421,7 +446,7 @@ class TrainingJob:
         rollouts.generate_clock.take()  # count this step's busy time only
         rollouts.evaluate_clock.take()
         evaluations = rollouts.evaluations
-        gate = GroupGate(services, self.config.gate, len(tasks))
+        gate = GroupGate(services, self.config.gate, len(tasks), ctx.run_id, step)
         groups = await asyncio.gather(*(self.play_group(step, i, task, rollouts, gate) for i, task in enumerate(tasks)))
         stale = sum(t.weight_version != self.version for g in groups for e in g.episodes for t in e.turns)
         if stale:

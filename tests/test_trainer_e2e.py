@@ -142,9 +142,14 @@ def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
 
 def resumable_config(model_dir: Path) -> trainer_pb2.RunConfig:
     """Two steps of one group, checkpointing every step. Speed cannot decide a rank (a huge
-    margin), so timing noise cannot make two runs' advantages differ."""
+    margin), so timing noise cannot make two runs' advantages differ; the gate's history rule
+    is off, so two reward services with different histories decide alike."""
     return small_config(model_dir, steps=2, tasks_per_step=1, group_size=4, checkpoint_every=1,
-                        rank=reward_pb2.RankConfig(speedup_margin=1e6))
+                        rank=reward_pb2.RankConfig(speedup_margin=1e6), gate=reward_pb2.GateConfig(never_solved_after=-1))
+
+
+def gate_calls(log: Path) -> int:
+    return sum(1 for line in log.read_text(errors="replace").splitlines() if "RewardService/Gate" in line)
 
 
 def test_a_killed_trainer_resumes_with_the_same_step_counter_and_optimizer_state(services, tiny_model_dir, tmp_path):
@@ -154,18 +159,30 @@ def test_a_killed_trainer_resumes_with_the_same_step_counter_and_optimizer_state
         whole = start(trainer, config)
         follow(trainer, whole.run_id)
     runs = tmp_path / "killed"
-    with leap_serve("trainer", *trainer_flags(runs, services)) as (address, process):
-        trainer = connect("trainer", address, aio=False)
-        killed = start(trainer, config)
-        first = Path(killed.output_dir) / "checkpoints" / "step-00000001"
-        wait_for(first.is_dir, timeout=300, what="the checkpoint of step 1")
-        os.killpg(process.pid, signal.SIGKILL)  # no shutdown, no last checkpoint: as a crash
-        process.wait()
-    with leap_serve("trainer", *trainer_flags(runs, services)) as (address, _):  # auto_resume picks the run up
-        trainer = connect("trainer", address, aio=False)
-        events = follow(trainer, killed.run_id)
-        resumed = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=killed.run_id)).run
+    reward_log = tmp_path / "reward.log"
+    with contextlib.ExitStack() as stack:
+        # A reward service of its own, with its history on disk, to count what the killed run records.
+        reward, _ = stack.enter_context(leap_serve("reward", "--history-path", str(tmp_path / "history.sqlite3"),
+                                                   log_path=reward_log))
+        own = trainer_pb2.ServiceAddresses(policy=services.policy, sandbox=services.sandbox, reward=reward)
+        with leap_serve("trainer", *trainer_flags(runs, own)) as (address, process):
+            trainer = connect("trainer", address, aio=False)
+            killed = start(trainer, config)
+            first = Path(killed.output_dir) / "checkpoints" / "step-00000001"
+            wait_for(first.is_dir, timeout=300, what="the checkpoint of step 1")
+            wait_for(lambda: gate_calls(reward_log) >= 2, timeout=300, what="step 2's Gate call")
+            os.killpg(process.pid, signal.SIGKILL)  # mid-step, no shutdown, no last checkpoint: as a crash
+            process.wait()
+        with leap_serve("trainer", *trainer_flags(runs, own)) as (address, _):  # auto_resume picks the run up
+            trainer = connect("trainer", address, aio=False)
+            events = follow(trainer, killed.run_id)
+            resumed = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=killed.run_id)).run
+        stub = connect("reward", reward, aio=False)
+        histories = stub.GetTaskHistory(reward_pb2.GetTaskHistoryRequest()).histories
+        gated = stub.GetStats(reward_pb2.GetStatsRequest()).groups_gated
     assert resumed.state == SUCCEEDED and resumed.step == 2, resumed.error
+    # Step 2 was gated, killed and played again; its group is in the history once.
+    assert gate_calls(reward_log) >= 3 and sum(h.groups for h in histories) == 2 and gated == 2
     assert train_steps(events) == [1, 2]  # the log was rewound to the checkpoint: no step twice
     a = [json.loads(x)["token_ids"] for x in (Path(whole.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
     b = [json.loads(x)["token_ids"] for x in (Path(resumed.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
