@@ -938,6 +938,14 @@ class ListModelsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODELS_FIELD_NUMBER: _builtins.int
+    MAX_SAMPLES_PER_PROMPT_FIELD_NUMBER: _builtins.int
+    MAX_PROMPTS_FIELD_NUMBER: _builtins.int
+    max_samples_per_prompt: _builtins.int
+    """The service's largest SamplingParams.n (its max_samples_per_prompt setting), said even
+    when no model is loaded; 0 from a service that does not say.
+    """
+    max_prompts: _builtins.int
+    """Most prompts per Generate, items per Score (its max_prompts setting); 0 when unsaid."""
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInfo]:
         """Every loaded model, by name."""
@@ -946,10 +954,12 @@ class ListModelsResponse(_message.Message):
         self,
         *,
         models: _abc.Iterable[Global___ModelInfo] | None = ...,
+        max_samples_per_prompt: _builtins.int = ...,
+        max_prompts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_prompts", b"max_prompts", "max_samples_per_prompt", b"max_samples_per_prompt", "models", b"models"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
