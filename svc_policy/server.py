@@ -490,7 +490,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         return policy_pb2.GetModelResponse(model=self.entry(request.name, "name").info(self.config))
 
     async def ListModels(self, request, context):
-        return policy_pb2.ListModelsResponse(models=[self.models[name].info(self.config) for name in sorted(self.models)])
+        return policy_pb2.ListModelsResponse(models=[self.models[name].info(self.config) for name in sorted(self.models)],
+                                             max_samples_per_prompt=self.config.max_samples_per_prompt,
+                                             max_prompts=self.config.max_prompts)
 
 
 def directory_problem(path: str) -> str | None:

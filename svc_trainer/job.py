@@ -33,11 +33,11 @@ from pathlib import Path
 import grpc
 
 from leap.clients import connect
-from leap.clients.retry import Patience, ServiceUnavailable, with_retries
+from leap.clients.retry import Patience, ServiceUnavailable, refusal, with_retries
 from leap.clients.weights import push_weights
 from leap.evaluation import evaluate
 from leap.learning import checkpoint as ckpt
-from leap.learning import Learner, LearnerSettings, OptimizerSettings, with_values
+from leap.learning import Learner, LearnerSettings, NonFiniteError, OptimizerSettings, with_values
 from leap.learning.data import draw_tasks
 from leap.learning.metrics import DEFAULT_PANELS, plot_metrics
 from leap.learning.registry import RunContext, RunFailure
@@ -101,7 +101,7 @@ class Services:
     async def call(self, service: str, method: str, request):
         stub = getattr(self, service)
         return await with_retries(lambda: getattr(stub, method)(request), service, getattr(self.addresses, service),
-                                  self.patience)
+                                  self.patience, method)
 
     async def close(self) -> None:
         for stub in (self.policy, self.sandbox, self.reward):
@@ -225,6 +225,8 @@ class TrainingJob:
             asyncio.run(self.main(ctx))
         except ServiceUnavailable as err:
             raise RunFailure(str(err)) from err
+        except grpc.RpcError as err:  # a service refused a call: say which, what and why, not the error's repr
+            raise RunFailure(refusal(err)) from err
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -426,7 +428,7 @@ class TrainingJob:
         state = learner.full_state_dict()
         self.version += 1
         reply = await with_retries(lambda: push_weights(services.policy, self.config.policy_model, self.version, state),
-                                   "policy", services.addresses.policy, self.patience)
+                                   "policy", services.addresses.policy, self.patience, "the weight update")
         self.version = reply.version
         return time.perf_counter() - started
 
@@ -466,7 +468,10 @@ class TrainingJob:
             "tokens/generated": float(sum(len(t.completion_ids) for g in groups for e in g.episodes for t in e.turns)),
         })
         session.learning = True  # from here until the update lands, the learner holds no step's state
-        values.update(self.learn(groups, ranked, learner))
+        try:
+            values.update(self.learn(groups, ranked, learner))
+        except NonFiniteError as err:  # nothing of this update is pushed or checkpointed
+            raise RunFailure(err.sentence(step, self.config.optimizer)) from None
         session.learning = False
         return values
 

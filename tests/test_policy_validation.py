@@ -157,6 +157,8 @@ def test_sampling_and_scoring_numbers_out_of_range_name_their_fields(stub, share
 def test_model_info_says_the_services_limits(stub, shared_model):  # noqa: F811
     info = stub.GetModel(policy_pb2.GetModelRequest(name=shared_model), timeout=10).model
     assert (info.max_samples_per_prompt, info.max_prompts) == (64, 1024)
+    listed = stub.ListModels(policy_pb2.ListModelsRequest(), timeout=10)
+    assert (listed.max_samples_per_prompt, listed.max_prompts) == (64, 1024)
 
 
 def test_undecodable_bytes_in_a_weight_stream_are_invalid_argument_naming_the_message(server, stub, shared_model):  # noqa: F811

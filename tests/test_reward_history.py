@@ -188,3 +188,32 @@ def test_a_reward_service_killed_during_a_stream_of_writes_keeps_every_answered_
     with sqlite3.connect(str(path)) as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     assert {p.name for p in folder.iterdir()} <= {path.name, path.name + "-wal", path.name + "-shm"}
+
+
+def test_a_refused_call_becomes_a_sentence_naming_the_service_and_what_it_refused(tmp_path):
+    import asyncio
+
+    from leap.clients import connect
+    from leap.clients.retry import Patience, ServiceRefused, with_retries
+
+    server = start(tmp_path)
+
+    async def refused() -> ServiceRefused:
+        stub = connect("reward", server.address)
+        try:
+            await with_retries(lambda: stub.Gate(pb.GateRequest()), "reward", server.address, Patience(seconds=5),
+                               "the gate")
+        except ServiceRefused as err:
+            return err
+        finally:
+            await stub.channel.close()
+        raise AssertionError("the empty Gate request was accepted")
+
+    try:
+        err = asyncio.run(refused())
+    finally:
+        server.stop()
+    assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violated_fields(err) == ["groups"]  # the rich details survive
+    assert str(err) == (f"the reward service at {server.address} refused the gate (INVALID_ARGUMENT: invalid request: "
+                        "groups: at least one group is required)")

@@ -30,14 +30,17 @@ import os
 from types import ModuleType
 from typing import Any
 
+import grpc
 from google.protobuf import json_format, timestamp_pb2
 from google.protobuf.message import Message
+from google.rpc import error_details_pb2
 
 from leap.common.v1 import common_pb2
 from leap.learning.registry import (
     OutputDirTaken, RequestConflict, RunNotFound, RunRecord, RunRegistry, RunStateError,
 )
 from leap.runtime import ServerConfig, Violations, failed_precondition, invalid_argument, not_found, option
+from leap.runtime.errors import ServiceError
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 50
@@ -178,11 +181,11 @@ class RunApi:
         violations = Violations()
         violations.check(bool(request.request_id), "request_id", "is required (a client-chosen idempotency key)")
         violations.check(request.HasField("config"), "config", "is required")
+        violations.raise_if_any()
         output_dir = getattr(request.config, "output_dir", "")
-        if output_dir:
+        if output_dir:  # reported with the config's other problems, in one error
             problem = output_dir_problem(output_dir)
             violations.check(problem is None, "config.output_dir", problem or "")
-        violations.raise_if_any()
         fingerprint = config_fingerprint(request.config)
         existing = self.registry.find_request(request.request_id)
         if existing is not None:
@@ -190,7 +193,18 @@ class RunApi:
                 raise failed_precondition(f"request_id {request.request_id!r} was already used for run "
                                           f"{existing.run_id} with a different config", "REQUEST_ID_REUSED")
             return self.messages.StartRunResponse(run=self.run_message(existing))
-        config, total_steps = await self.prepare_config(request.config)
+        try:
+            config, total_steps = await self.prepare_config(request.config)
+        except ServiceError as err:
+            if not violations.items or err.code != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            for detail in err.details:
+                if isinstance(detail, error_details_pb2.BadRequest):
+                    for item in detail.field_violations:
+                        violations.add(item.field, item.description)
+            violations.raise_if_any()
+            raise
+        violations.raise_if_any()
         try:
             record, _ = self.registry.start(
                 request.request_id, config_to_json(config), fingerprint, total_steps,
