@@ -52,7 +52,7 @@ from leap.union import UNION_FILE, Teacher, TeacherUnion, toolchain_name
 from svc_trainer import batch as batching
 from svc_trainer import rgrpo
 from svc_trainer.losses import SEQ_MEAN_TOKEN_MEAN, TOKEN_MEAN, GrpoLossConfig, GrpoObjective
-from svc_trainer.metrics import rollout_metrics
+from svc_trainer.metrics import rollout_metrics, zero_spread_share
 
 TrainMode = trainer_pb2.TrainMode
 GateMode = reward_pb2.GateMode
@@ -69,6 +69,7 @@ class JobSettings:
     service_retry_seconds: float = 60.0
     keep_checkpoints: int = 3
     rollout_log: str = "text"  # "off", "text" (answers, verdicts, rewards) or "tokens" (and token ids)
+    no_signal_warning_steps: int = 3  # warn after this many steps in a row where every group tied; 0: never
 
 
 @dataclasses.dataclass
@@ -219,6 +220,7 @@ class TrainingJob:
         self.settings = settings
         self.patience = Patience(seconds=settings.service_retry_seconds)
         self.version = 0  # weight version the policy serves for this run
+        self.flat_steps = 0  # steps in a row (this attempt) where every group tied: no learning signal
 
     def __call__(self, ctx: RunContext) -> None:
         try:
@@ -335,6 +337,7 @@ class TrainingJob:
                 progress.train_seconds += values["time/step_s"]
                 values.update({"sandbox/evaluations_total": progress.evaluations, "time/train_total_s": progress.train_seconds})
                 ctx.emit("train", step, values)
+                self.watch_signal(ctx, step, values["reward/zero_spread_share"])
                 if self.evaluation_due(step, last):
                     await self.evaluate(ctx, session, progress)
                 if step % c.checkpoint_every == 0 or step == last or ctx.stop_requested():
@@ -346,6 +349,19 @@ class TrainingJob:
                 self.save(ctx, session.learner, progress)
             raise
         return True
+
+    def watch_signal(self, ctx: RunContext, step: int, zero_spread: float) -> None:
+        """A `warning` event (and a log line) when every group of the last N steps tied: the
+        run trains on nothing. The run goes on: the warning says so, it does not decide."""
+        self.flat_steps = self.flat_steps + 1 if zero_spread >= 1.0 else 0
+        every = self.settings.no_signal_warning_steps
+        if every <= 0 or self.flat_steps == 0 or self.flat_steps % every:
+            return
+        message = (f"no learning signal: every group's rewards tied for the last {self.flat_steps} steps (steps "
+                   f"{step - self.flat_steps + 1}-{step}), so no update moved the weights. The model may never pass "
+                   "(or always pass) these tasks; check the rollouts log, the tasks, or warm-start the model")
+        ctx.log.warning("no learning signal", step=step, steps=self.flat_steps)
+        ctx.emit("warning", step, {"reward/zero_spread_share": zero_spread, "steps": float(self.flat_steps)}, message)
 
     def evaluation_due(self, step: int, last: int) -> bool:
         return bool(self.config.eval_every and step % self.config.eval_every == 0) or step == last
@@ -462,6 +478,7 @@ class TrainingJob:
         values["sandbox/evaluations"] = float(rollouts.evaluations - evaluations)
         values["sandbox/evaluations_saved"] = float(gate.evaluations_saved())
         values.update(self.reward_stats(ranked))
+        values["reward/zero_spread_share"] = zero_spread_share([[t.reward for t in r.trajectories] for r in ranked.results])
         values.update({
             "time/generate_s": rollouts.generate_clock.take(), "time/evaluate_s": rollouts.evaluate_clock.take(),
             "time/rollout_s": rollout_seconds,
