@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import uuid
 from pathlib import Path
@@ -267,3 +268,75 @@ def test_a_restarted_policy_is_sent_the_learners_weights_before_the_next_step(se
     records = [json.loads(line) for line in (Path(done.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
     versions = {turn["weight_version"] for record in records for turn in record["turns"]}
     assert versions == {second.values["weight_version"] - 1}  # sampled from the re-sent weights, not version 0
+
+
+@pytest.fixture(scope="module")
+def plain_trainer(services, tmp_path_factory):
+    """One trainer for the tests below (each starts a trainer of its own above)."""
+    runs = tmp_path_factory.mktemp("plain-trainer")
+    with leap_serve("trainer", *trainer_flags(runs, services, "--no-signal-warning-steps", "2")) as (address, _):
+        trainer = connect("trainer", address, aio=False)
+        yield trainer
+        trainer.channel.close()
+
+
+def refused_fields(trainer, config: trainer_pb2.RunConfig) -> dict[str, str]:
+    import grpc
+    from google.rpc import error_details_pb2
+
+    from leap.runtime.errors import details_of
+
+    with pytest.raises(grpc.RpcError) as caught:
+        start(trainer, config)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    (bad,) = [d for d in details_of(caught.value) if isinstance(d, error_details_pb2.BadRequest)]
+    return {v.field: v.description for v in bad.field_violations}
+
+
+def test_a_config_the_services_cannot_serve_is_refused_whole_before_the_run_starts(plain_trainer, tiny_model_dir,
+                                                                                   tmp_path):
+    config = small_config(tiny_model_dir, group_size=100, eval_samples=100_000, policy_model="../x",
+                          sandbox_size="huge", output_dir="/proc/leap-run",
+                          sampling=common_pb2.RolloutSampling(max_new_tokens=10**9),
+                          optimizer=common_pb2.OptimizerConfig(learning_rate=float("inf")),
+                          gate=reward_pb2.GateConfig(simple_threshold=float("nan")),
+                          rank=reward_pb2.RankConfig(turn_discount=5.0))
+    fields = refused_fields(plain_trainer, config)
+    assert set(fields) == {"config.group_size", "config.eval_samples", "config.policy_model", "config.sandbox_size",
+                           "config.output_dir", "config.sampling.max_new_tokens", "config.optimizer.learning_rate",
+                           "config.gate.simple_threshold", "config.rank.turn_discount"}
+    assert "allows at most 64" in fields["config.group_size"] and "allows at most 64" in fields["config.eval_samples"]
+    assert "'huge' is not a size preset" in fields["config.sandbox_size"]
+    assert "context of" in fields["config.sampling.max_new_tokens"]
+    assert "path separators" in fields["config.policy_model"]
+    # The reward service's own limit, asked with a dry-run Gate: a group larger than its max_group_size.
+    assert "reward service" in refused_fields(plain_trainer, small_config(tiny_model_dir, group_size=2000))[
+        "config.group_size"]
+    # Feedback turns on a model without a chat template are refused; single-turn is not.
+    plain = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((plain / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    fields = refused_fields(plain_trainer, small_config(plain, eval_turns=2))
+    assert set(fields) == {"config.max_turns", "config.eval_turns"} and "no chat template" in fields["config.max_turns"]
+    assert list(plain_trainer.ListRuns(trainer_pb2.ListRunsRequest()).runs) == []
+
+
+def test_a_run_whose_groups_all_tie_says_it_has_no_learning_signal(plain_trainer, tmp_path):
+    from tests.tiny_lm import build_tiny_model
+
+    random_init = build_tiny_model(tmp_path / "random-init")  # never writes a kernel: every group ties
+    config = small_config(random_init, steps=2, tasks_per_step=1, group_size=2, mode=trainer_pb2.TRAIN_MODE_SINGLE,
+                          max_turns=1, eval_turns=1, policy_model="random-init",
+                          sampling=common_pb2.RolloutSampling(max_new_tokens=16))
+    run = start(plain_trainer, config)
+    events = follow(plain_trainer, run.run_id)
+    done = plain_trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
+    assert done.state == SUCCEEDED, done.error  # the run ends as it would; the warning says what happened
+    train = [e for e in events if e.kind == "train"]
+    assert [e.values["reward/zero_spread_share"] for e in train] == [1.0, 1.0]
+    assert all(e.values["sequences/trained"] == 0 for e in train)
+    (warning,) = [e for e in events if e.kind == "warning"]
+    assert warning.step == 2 and "no learning signal" in warning.message and warning.values["steps"] == 2
