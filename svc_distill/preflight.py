@@ -141,7 +141,12 @@ async def resolve_tasks(out: distill_pb2.DistillConfig, union: TeacherUnion, v: 
 async def check_limits(config: distill_pb2.DistillConfig, v: Violations) -> None:
     """Samples per example and per held-out task within what the student's policy service
     allows, and answers within the student's context."""
-    limits = await policy_limits(config.student_address, config.student_model, config.student_model_path)
+    try:
+        limits = await policy_limits(config.student_address, config.student_model, config.student_model_path)
+    except grpc.aio.AioRpcError as err:
+        v.add("config.student_address", f"the policy service at {config.student_address} did not say what it allows "
+                                        f"(ListModels: {err.code().name}: {err.details()})")
+        return
     check_samples(limits, {"config.samples_per_example": config.samples_per_example,
                            "config.eval_samples": config.eval_samples}, v)
     check_new_tokens(limits, config.sampling.max_new_tokens, "config.sampling.max_new_tokens", v)

@@ -78,7 +78,12 @@ async def check_policy(config: trainer_pb2.RunConfig, v: Violations, named: bool
     """Group and evaluation sizes within the policy's samples per prompt, answers within the
     model's context, and a chat template where the run has feedback turns (`named`: the
     run's model name is a valid one to look up)."""
-    limits = await policy_limits(config.services.policy, config.policy_model if named else "", config.model_path)
+    try:
+        limits = await policy_limits(config.services.policy, config.policy_model if named else "", config.model_path)
+    except grpc.aio.AioRpcError as err:
+        v.add("config.services.policy", f"the policy service at {config.services.policy} did not say what it allows "
+                                        f"(ListModels: {err.code().name}: {err.details()})")
+        return
     counts = {"config.group_size": config.group_size, "config.eval_samples": config.eval_samples}
     if config.rgrpo.rounds:
         counts["config.rgrpo.eval_samples"] = config.rgrpo.eval_samples
@@ -98,20 +103,19 @@ async def check_reward(config: trainer_pb2.RunConfig, bad: set[str], v: Violatio
     """Ask the reward service whether it takes the run's groups and gate overrides: a dry-run
     Gate of one group of G rollouts (it records nothing). Its violations are named on the
     run's fields (`config.gate.simple_threshold`, `config.group_size`)."""
-    gate = reward_pb2.GateConfig()
-    gate.CopyFrom(config.gate)
-    if config.max_turns <= 1:  # a run that never gates still ranks groups of G
-        gate = reward_pb2.GateConfig()
-    group = reward_pb2.GateGroup(task_id="leap-preflight",
-                                 rollouts=[reward_pb2.RolloutResult(stage=common_pb2.STAGE_FORMAT)] * config.group_size)
     if config.group_size > 65536:  # the policy's limit names it; no need to send a group that large
         return
+    gate = config.gate if config.max_turns > 1 else reward_pb2.GateConfig()  # a run that never gates still ranks G
+    group = reward_pb2.GateGroup(task_id="leap-preflight",
+                                 rollouts=[reward_pb2.RolloutResult(stage=common_pb2.STAGE_FORMAT)] * config.group_size)
     reward = connect("reward", config.services.reward, unary_deadline=30.0)
     try:
         await reward.Gate(reward_pb2.GateRequest(groups=[group], config=gate, dry_run=True))
     except grpc.aio.AioRpcError as err:
         if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
-            raise
+            v.add("config.services.reward", f"the reward service at {config.services.reward} could not be asked "
+                                            f"about the run's groups (a dry-run Gate: {err.code().name}: {err.details()})")
+            return
         for detail in details_of(err):
             if not isinstance(detail, error_details_pb2.BadRequest):
                 continue

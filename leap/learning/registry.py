@@ -145,10 +145,10 @@ def claim_output_dir(directory: str | os.PathLike, run_id: str) -> None:
     try:
         fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        other = owner.read_text().strip()
+        other = owner.read_text().strip() or "(being claimed)"
         if other != run_id:
             raise OutputDirTaken(f"output_dir {str(path)!r} belongs to run {other} (its checkpoints and events are "
-                                 f"there): choose another directory, or resume run {other}") from None
+                                 f"there; {OWNER_FILE} names it): choose another directory, or resume run {other}") from None
         return
     try:
         leftovers = [name for name in RUN_DATA if (path / name).exists()]
