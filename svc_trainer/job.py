@@ -153,8 +153,7 @@ class GroupGate:
             request.ClearField("idempotency_key")
             request.dry_run = True
             reply = await self.services.call("reward", "Gate", request)
-        if not reply.replayed:  # a replay's savings were counted by the attempt that recorded it
-            self.summaries.append(reply.summary)
+        self.summaries.append(reply.summary)  # a replay's too: the killed attempt never reported its step
         return reply
 
     async def decide(self, index: int, group: reward_pb2.GateGroup) -> reward_pb2.GateDecision:

@@ -217,3 +217,37 @@ def test_a_refused_call_becomes_a_sentence_naming_the_service_and_what_it_refuse
     assert violated_fields(err) == ["groups"]  # the rich details survive
     assert str(err) == (f"the reward service at {server.address} refused the gate (INVALID_ARGUMENT: invalid request: "
                         "groups: at least one group is required)")
+
+
+def test_the_trainers_gate_keys_count_a_replayed_step_once_and_decide_a_changed_one_as_a_dry_run(tmp_path):
+    import asyncio
+
+    from leap.clients.retry import Patience
+    from leap.trainer.v1 import trainer_pb2
+    from svc_trainer.job import GroupGate, Services
+
+    server = start(tmp_path)
+    addresses = trainer_pb2.ServiceAddresses(policy="127.0.0.1:1", sandbox="127.0.0.1:1", reward=server.address)
+
+    async def gate_step(step: int, failures: int, mode=pb.GATE_MODE_STATIC) -> tuple[pb.GateDecision, GroupGate]:
+        services = Services(addresses, Patience(seconds=5))
+        try:
+            gate = GroupGate(services, pb.GateConfig(mode=mode), 1, run_id="run-a", step=step)
+            return await gate.decide(0, gate_group("t", failures)), gate
+        finally:
+            await services.close()
+
+    try:
+        first, _ = asyncio.run(gate_step(1, 6))
+        replayed, gate = asyncio.run(gate_step(1, 6))  # the step played again after a kill: the same rollouts
+        assert replayed == first and len(gate.summaries) == 1  # its summary still counts in this attempt's step
+        changed, gate = asyncio.run(gate_step(1, 2))  # played again on other weights: other rollouts
+        assert changed.decision == pb.DECISION_SIMPLE and changed.history.groups == 2  # a dry run's view
+        assert asyncio.run(gate_step(2, 6))[0].history.groups == 2  # the next step records
+        adaptive, _ = asyncio.run(gate_step(3, 4, pb.GATE_MODE_ADAPTIVE))  # one key for the step's whole call
+        assert asyncio.run(gate_step(3, 4, pb.GATE_MODE_ADAPTIVE))[0] == adaptive
+        stub = stub_for(server.address)
+        assert history_of(stub)["t"].groups == 3  # steps 1, 2 and 3, once each
+        assert stub.GetStats(pb.GetStatsRequest(), timeout=10).groups_gated == 3
+    finally:
+        server.stop()
