@@ -200,15 +200,18 @@ class Progress:
     cursor: int = 0  # training tasks drawn so far
     evaluations: int = 0  # sandbox evaluations of training rollouts so far
     train_seconds: float = 0.0  # wall seconds of training steps so far (evaluation excluded)
+    flat_steps: int = 0  # steps in a row, up to this one, where every group tied (no learning signal)
 
     def to_json(self) -> dict:
-        return {"cursor": self.cursor, "evaluations": self.evaluations, "train_seconds": self.train_seconds}
+        return {"cursor": self.cursor, "evaluations": self.evaluations, "train_seconds": self.train_seconds,
+                "flat_steps": self.flat_steps}
 
     @classmethod
     def from_state(cls, state: dict) -> Progress:
         extra = state.get("extra", {})
         return cls(step=int(state["step"]), cursor=int(state["cursor"].get("tasks", 0)),
-                   evaluations=int(extra.get("evaluations", 0)), train_seconds=float(extra.get("train_seconds", 0.0)))
+                   evaluations=int(extra.get("evaluations", 0)), train_seconds=float(extra.get("train_seconds", 0.0)),
+                   flat_steps=int(extra.get("flat_steps", 0)))
 
 
 class TrainingJob:
@@ -219,7 +222,6 @@ class TrainingJob:
         self.settings = settings
         self.patience = Patience(seconds=settings.service_retry_seconds)
         self.version = 0  # weight version the policy serves for this run
-        self.flat_steps = 0  # steps in a row (this attempt) where every group tied: no learning signal
 
     def __call__(self, ctx: RunContext) -> None:
         try:
@@ -336,7 +338,7 @@ class TrainingJob:
                 progress.train_seconds += values["time/step_s"]
                 values.update({"sandbox/evaluations_total": progress.evaluations, "time/train_total_s": progress.train_seconds})
                 ctx.emit("train", step, values)
-                self.watch_signal(ctx, step, values["reward/zero_spread_share"])
+                self.watch_signal(ctx, step, values["reward/zero_spread_share"], progress)
                 if self.evaluation_due(step, last):
                     await self.evaluate(ctx, session, progress)
                 if step % c.checkpoint_every == 0 or step == last or ctx.stop_requested():
@@ -349,18 +351,19 @@ class TrainingJob:
             raise
         return True
 
-    def watch_signal(self, ctx: RunContext, step: int, zero_spread: float) -> None:
+    def watch_signal(self, ctx: RunContext, step: int, zero_spread: float, progress: Progress) -> None:
         """A `warning` event (and a log line) when every group of the last N steps tied: the
-        run trains on nothing. The run goes on: the warning says so, it does not decide."""
-        self.flat_steps = self.flat_steps + 1 if zero_spread >= 1.0 else 0
+        run trains on nothing. The run goes on: the warning says so, it does not decide. The
+        streak is in the checkpoint, so a resumed run counts on."""
+        flat = progress.flat_steps = progress.flat_steps + 1 if zero_spread >= 1.0 else 0
         every = self.settings.no_signal_warning_steps
-        if every <= 0 or self.flat_steps == 0 or self.flat_steps % every:
+        if every <= 0 or flat == 0 or flat % every:
             return
-        message = (f"no learning signal: every group's rewards tied for the last {self.flat_steps} steps (steps "
-                   f"{step - self.flat_steps + 1}-{step}), so no update moved the weights. The model may never pass "
-                   "(or always pass) these tasks; check the rollouts log, the tasks, or warm-start the model")
-        ctx.log.warning("no learning signal", step=step, steps=self.flat_steps)
-        ctx.emit("warning", step, {"reward/zero_spread_share": zero_spread, "steps": float(self.flat_steps)}, message)
+        message = (f"no learning signal: every group's rewards tied for the last {flat} steps (steps "
+                   f"{step - flat + 1}-{step}), so no update moved the weights. The model may never pass (or always "
+                   "pass) these tasks; check the rollouts log, the tasks, or warm-start the model")
+        ctx.log.warning("no learning signal", step=step, steps=flat)
+        ctx.emit("warning", step, {"reward/zero_spread_share": zero_spread, "steps": float(flat)}, message)
 
     def evaluation_due(self, step: int, last: int) -> bool:
         return bool(self.config.eval_every and step % self.config.eval_every == 0) or step == last
