@@ -38,6 +38,9 @@ def read_union(config: distill_pb2.DistillConfig, v: Violations) -> TeacherUnion
     except ValueError as err:
         v.add(UNION_FIELD, str(err))
         return None
+    except OSError as err:  # a name over NAME_MAX: the OS refuses the path itself
+        v.add(UNION_FIELD, f"cannot be read: {err.strerror or err}")
+        return None
 
 
 def check_teachers(config: distill_pb2.DistillConfig, union: TeacherUnion, student_fingerprint: str,

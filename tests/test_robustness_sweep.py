@@ -58,14 +58,7 @@ MUTATING = {("policy", "UnloadModel"), ("policy", "UpdateWeights"), ("policy", "
 # Findings of the sweep that belong to another area of #15 (its item 5, per-service
 # validation), as strict xfails naming the owner: each turns into a failure once fixed, so the
 # mark is removed with the fix.
-KNOWN: dict[tuple[str, str], str] = {
-    ("policy", "Score"): "owner: state (#15 item 5): temperature 1e308 is INTERNAL",
-    ("policy", "LoadModel"): "owner: state (#15 item 5): a path with a component over 255 bytes is INTERNAL "
-                             "(ENAMETOOLONG from Path.is_dir)",
-    ("trainer", "StartRun"): "owner: state (#15 items 5, 9): a 20 KB config.model_path is INTERNAL (ENAMETOOLONG)",
-    ("distill", "StartRun"): "owner: state (#15 items 5, 9): a 20 KB student_model_path or teacher_union_path is "
-                             "INTERNAL (ENAMETOOLONG)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def contract(service: str):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from leap.runtime.errors import cut
+
 
 def resolve_device(requested: str = "auto", local_rank: int | None = None) -> torch.device:
     """"auto" is cuda (this process's local rank's GPU) when one is present, else cpu."""
@@ -38,12 +40,16 @@ def check_model_dir(path: str | os.PathLike) -> str | None:
     directory = Path(path)
     if not str(path):
         return "is required"
-    if not directory.is_dir():
-        return f"{str(path)!r} is not a directory"
-    if not (directory / "config.json").is_file():
-        return f"{str(path)!r} has no config.json (not a Hugging Face model directory)"
-    if not any(directory.glob("*.safetensors")) and not any(directory.glob("*.bin")):
-        return f"{str(path)!r} has no weights (*.safetensors)"
+    shown = cut(str(path))
+    try:
+        if not directory.is_dir():
+            return f"{shown!r} is not a directory"
+        if not (directory / "config.json").is_file():
+            return f"{shown!r} has no config.json (not a Hugging Face model directory)"
+        if not any(directory.glob("*.safetensors")) and not any(directory.glob("*.bin")):
+            return f"{shown!r} has no weights (*.safetensors)"
+    except (OSError, ValueError) as err:  # a name over NAME_MAX, a NUL byte: the OS refuses it
+        return f"{shown!r} cannot be a directory here: {err.strerror if isinstance(err, OSError) else err}"
     return None
 
 
