@@ -136,11 +136,14 @@ def test_a_model_path_too_long_or_unusable_is_invalid_argument(stub, tmp_path): 
 
 
 def test_sampling_and_scoring_numbers_out_of_range_name_their_fields(stub, shared_model):  # noqa: F811
-    huge = {"temperature": 1e308, "top_p": math.nan, "top_k": 2**31 - 1}
+    huge = {"temperature": 1e308, "top_p": 0.0, "top_k": 2**31 - 1}
     with pytest.raises(grpc.RpcError) as caught:
         stub.Generate(first_turn_request(shared_model, **huge), timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert violated_fields(caught.value) == ["sampling.temperature", "sampling.top_p", "sampling.top_k"]
+    with pytest.raises(grpc.RpcError) as caught:  # NaN is refused by the runtime, before the ranges
+        stub.Generate(first_turn_request(shared_model, top_p=math.nan), timeout=30)
+    assert violated_fields(caught.value) == ["sampling.top_p"]
     with pytest.raises(grpc.RpcError) as caught:
         stub.Generate(first_turn_request(shared_model, max_new_tokens=10**9, stop=["x" * 2000]), timeout=30)
     assert violated_fields(caught.value) == ["sampling.max_new_tokens", "sampling.stop[0]"]

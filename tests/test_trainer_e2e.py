@@ -298,8 +298,8 @@ def test_a_config_the_services_cannot_serve_is_refused_whole_before_the_run_star
     config = small_config(tiny_model_dir, group_size=100, eval_samples=100_000, policy_model="../x",
                           sandbox_size="huge", output_dir="/proc/leap-run",
                           sampling=common_pb2.RolloutSampling(max_new_tokens=10**9),
-                          optimizer=common_pb2.OptimizerConfig(learning_rate=float("inf")),
-                          gate=reward_pb2.GateConfig(simple_threshold=float("nan")),
+                          optimizer=common_pb2.OptimizerConfig(learning_rate=5.0),
+                          gate=reward_pb2.GateConfig(simple_threshold=1.5),
                           rank=reward_pb2.RankConfig(turn_discount=5.0))
     fields = refused_fields(plain_trainer, config)
     assert set(fields) == {"config.group_size", "config.eval_samples", "config.policy_model", "config.sandbox_size",
