@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from leap.runtime.config import DEFAULT_PORTS, ServerConfig
+from leap.runtime.config import DEFAULT_PORTS, ServerConfig, resolve_auth_token
 from leap.runtime.interceptors import CallInterceptor
 from leap.runtime.logging import configure_logging, get_logger
 
@@ -98,7 +98,7 @@ class Server:
         self.config = config
         self.log = get_logger(f"leap.{service.name}")
         self.health = health.aio.HealthServicer()
-        self.interceptor = CallInterceptor(config.auth_token, exempt_prefixes=(f"/{HEALTH_SERVICE}/",))
+        self.interceptor = CallInterceptor(resolve_auth_token(config), exempt_prefixes=(f"/{HEALTH_SERVICE}/",))
         self.grpc_server = grpc.aio.server(interceptors=[self.interceptor], options=server_options(config))
         self.port = 0
         self._stopped = asyncio.Event()
@@ -135,7 +135,7 @@ class Server:
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.log.info("serving", address=self.address, services=names, tls=credentials is not None,
-                      auth=bool(self.config.auth_token))
+                      auth=bool(self.interceptor.expected_auth))
 
     async def wait(self) -> None:
         await self._stop_requested.wait()
