@@ -33,6 +33,7 @@ import resource
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -413,6 +414,29 @@ def _read_all(fd: int) -> str:
 
 # --------------------------------------------------------------------------------------
 # In the service: one Zygote per worker slot.
+
+
+def read_job_file(path: str | os.PathLike, limit: int = 1 << 20) -> str:
+    """The text of a file in a job directory, read by the service ("" when it is not a
+    regular file there). The candidate owns its job directory and may have swapped the file
+    for a symlink (the service would read the host's /etc/shadow or its own environment as
+    root) or a FIFO (the service would wait forever): neither is followed or opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        chunks, left = [], limit
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks).decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 class SandboxUnavailable(RuntimeError):

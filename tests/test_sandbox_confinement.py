@@ -36,7 +36,7 @@ from tests.conftest import ROOT, free_port, subprocess_env
 from tests.sandbox_helpers import (AS_ROOT, KERNELBENCH, RELU_LOOP, Check, Sandbox, Stage, candidate, describe, flags,
                                    processes_of_uids, relu, running_sandbox)
 
-pytestmark = pytest.mark.skipif(not AS_ROOT, reason="confinement needs the service to run as root (as in CI)")
+needs_root = pytest.mark.skipif(not AS_ROOT, reason="confinement needs the service to run as root (as in CI)")
 
 SECRET = "leap-confinement-secret-7f3a9c"
 UID_BASE = int(os.environ.get("LEAP_TEST_SANDBOX_UID", "61000"))
@@ -55,6 +55,7 @@ ESCAPE_PRELUDE = """#include <stdio.h>
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/un.h>
@@ -92,6 +93,8 @@ def attack(code: str) -> str:
 
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
+    if not AS_ROOT:
+        pytest.skip("confinement needs the service to run as root (as in CI)")
     problems = tmp_path_factory.mktemp("problems")
     (problems / "level1").mkdir()
     (problems / "level1" / "1_Relu.py").write_text(PROBLEM)
@@ -449,6 +452,7 @@ def assert_gone_soon(sandbox: Sandbox, seconds: float = 10) -> None:
     assert not processes_of_uids(sandbox.servicer.uids) and sandbox.servicer.pool.pending == 0
 
 
+@needs_root
 def test_sigterm_ends_the_service_within_drain_and_grace_whatever_runs(tmp_path):
     port = free_port()
     drain, grace = 0.5, 2.0
@@ -494,6 +498,7 @@ def test_sigterm_ends_the_service_within_drain_and_grace_whatever_runs(tmp_path)
 # ------------------------------------------------------------------------- neighbours, refusal, infrastructure
 
 
+@needs_root
 def test_two_sandboxes_on_one_host_take_distinct_uids_and_leave_each_other_alone(tmp_path):
     bomb = relu("    for (;;) { fork(); }", prelude="#include <unistd.h>\n")
     killer = relu("    kill(-1, SIGKILL);\n" + RELU_LOOP, prelude="#include <signal.h>\n")
@@ -516,6 +521,7 @@ def test_two_sandboxes_on_one_host_take_distinct_uids_and_leave_each_other_alone
         assert results["bomb"].stage == Stage.STAGE_RUN, describe(results["bomb"])
 
 
+@needs_root
 def test_uids_are_leased_with_a_lock_and_real_accounts_are_skipped(tmp_path):
     first = confinement.UidLease(0, 2, str(tmp_path), span=4096)  # uid 0 and the other accounts are skipped
     try:
@@ -542,6 +548,7 @@ def _no_account(uid: int, pwd) -> bool:
     return False
 
 
+@needs_root
 @pytest.mark.parametrize("bwrap, why", [
     ("/nonexistent/bwrap", "bubblewrap not found"),  # a machine without bubblewrap
     ("/bin/false", "bubblewrap cannot create the sandbox"),  # a bwrap that fails at once, as where namespaces are refused
@@ -566,6 +573,7 @@ def test_a_confined_sandbox_says_how_in_list_devices(sandbox):
         assert layer in devices.confinement
 
 
+@needs_root
 def test_an_unusable_work_dir_is_a_start_up_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(StartupError, match="work directory"):
@@ -587,3 +595,45 @@ def test_a_job_the_sandbox_cannot_set_up_is_unavailable_and_never_cached(sandbox
     assert verdict.stage == Stage.STAGE_PASSED and "CACHE_HIT" not in flags(verdict), describe(verdict)
     assert_contained(sandbox)
 
+
+
+@pytest.mark.parametrize("swap", [
+    "symlink(\"/proc/{pid}/cmdline\", \"run.log\")",  # the service reads its log as root, by path
+    "symlink(\"/etc/shadow\", \"run.log\")",
+    "mkfifo(\"run.log\", 0644)",  # a reader that opens it would wait forever
+])
+def test_a_log_swapped_for_a_link_or_a_fifo_reveals_nothing_and_blocks_nothing(sandbox, swap):
+    code = f"""
+    unlink("run.log");
+    {swap.format(pid=os.getpid())};
+    fprintf(stderr, "to the old log\\n");
+    abort();
+"""
+    verdict = sandbox.evaluate("relu", attack(code), timeout=120, **NO_STATIC)
+    assert verdict.stage == Stage.STAGE_RUN and "SIGABRT" in verdict.runtime_error, describe(verdict)
+    log = verdict.runtime_error
+    assert SECRET not in log and "root:" not in log and "-m pytest" not in log and "to the old log" in log, log
+    assert_contained(sandbox)
+
+
+def test_the_bwrap_command_makes_parents_traversable_and_mounts_in_order(tmp_path):
+    view = confinement.View(read_only=("/usr", "/root/.pyenv/versions/3.11", "/tmp/work"),
+                            writable=("/tmp/work/jobs",), symlinks=(("usr/bin", "/bin"),))
+    args = confinement.bwrap_command("bwrap", view, privileged=True)
+    joined = " ".join(args)
+    assert "--unshare-user" not in args and "--unshare-net" in args and "--unshare-pid" in args
+    assert "--cap-drop ALL --cap-add CAP_SETUID --cap-add CAP_SETGID --cap-add CAP_KILL" in joined
+    assert "--perms 0711 --dir /root --perms 0711 --dir /root/.pyenv" in joined  # traversable, not listable
+    order = [joined.index(part) for part in ("--tmpfs /tmp", "--ro-bind /tmp/work /tmp/work",
+                                             "--bind /tmp/work/jobs /tmp/work/jobs")]
+    assert order == sorted(order)  # /tmp first, the work dir on it, the job directories inside that
+    assert "--dir /usr" not in joined and "--dir /tmp " not in joined + " "
+    assert "--unshare-user" in confinement.bwrap_command("bwrap", view, privileged=False)
+
+
+def test_the_syscall_filter_refuses_what_it_lists():
+    pytest.importorskip("pyseccomp")
+    listed = set(confinement.DENIED_SYSCALLS)
+    assert {"ptrace", "process_vm_readv", "unshare", "setns", "mount", "bpf", "io_uring_setup", "keyctl"} <= listed
+    assert not listed & {"fork", "clone", "execve", "kill", "socketpair", "mmap", "openat"}  # what jobs need
+    confinement.syscall_filter()  # builds on this machine's libseccomp
