@@ -351,9 +351,9 @@ def zygote_main(ctl_fd: int) -> None:
     syscall_filter, seccomp_error = None, ""
     if config.get("seccomp", True):
         try:
-            from svc_sandbox.confinement import syscall_filter as build_filter
+            from svc_sandbox.confinement import compiled_filter
 
-            syscall_filter = build_filter()
+            syscall_filter = compiled_filter()
         except Exception as err:  # reported at start; the service decides whether it may serve
             seccomp_error = f"{type(err).__name__}: {err}"
     unreadable = python_unreadable(identity)

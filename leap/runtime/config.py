@@ -178,6 +178,7 @@ def describe(cls: type, service: str) -> str:
     lines = []
     for f in fields_of(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  --{f.name.replace('_', '-'):<28} {env_name(service, f.name):<40} default: {default!r}")
+        flag = f"--{f.name.replace('_', '-')}" if f.metadata.get("flag", True) else "(no flag)"
+        lines.append(f"  {flag:<30} {env_name(service, f.name):<40} default: {default!r}")
         lines.append(f"      {f.metadata.get('help', '')}")
     return "\n".join(lines)
