@@ -130,7 +130,11 @@ class Server:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc_server.start()
         if self.service.on_start is not None:
-            await self.service.on_start()
+            try:
+                await self.service.on_start()
+            except BaseException:  # a service that cannot start (StartupError): nothing keeps listening
+                await self.grpc_server.stop(0)
+                raise
         self.interceptor.starting = False
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
