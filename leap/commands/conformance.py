@@ -21,6 +21,7 @@ import json
 import os
 
 from leap.clients import STUBS
+from leap.runtime.config import SecretOnCommandLine
 
 
 def add_parser(subparsers) -> None:
@@ -32,7 +33,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--auth-token-file", metavar="FILE",
                         help="file holding the bearer token to send (default: the token in $LEAP_AUTH_TOKEN)")
-    parser.add_argument("--auth-token", action=_Refused, help=argparse.SUPPRESS)
+    parser.add_argument("--auth-token", action=SecretOnCommandLine, help=argparse.SUPPRESS)
     parser.add_argument("--tls-ca", help="PEM CA file: connect with TLS, trusting this CA")
     parser.add_argument("--tls-cert", help="PEM client certificate (mTLS), with --tls-key")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -43,13 +44,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--logprob-tolerance", type=float, default=None,
                         help="policy: largest difference between Score and Generate logprobs, in nats (default 0.01)")
     parser.set_defaults(func=run)
-
-
-class _Refused(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None):
-        from leap.runtime.config import COMMAND_LINE_SECRET
-
-        parser.error(f"{option_string} {COMMAND_LINE_SECRET}")
 
 
 def auth_token(args) -> str | None:

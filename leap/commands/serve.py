@@ -36,7 +36,7 @@ def settings_parser(spec) -> argparse.ArgumentParser:
     for field in cfg.fields_of(spec.config_class):
         if field.metadata.get("flag", True) is False:  # a secret: refused with the reason
             parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, default=None,
-                                action=_Refused, help=argparse.SUPPRESS)
+                                action=cfg.SecretOnCommandLine, help=argparse.SUPPRESS)
             continue
         kind = cfg.field_type(spec.config_class, field)
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
@@ -50,13 +50,6 @@ def settings_parser(spec) -> argparse.ArgumentParser:
             help=f"{field.metadata.get('help', '')} [env {cfg.env_name(spec.name, field.name)}; default {default!r}]",
         )
     return parser
-
-
-class _Refused(argparse.Action):
-    """A setting that must not be given as a flag (a secret in a command line is public)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} {cfg.COMMAND_LINE_SECRET}")
 
 
 def load_settings(spec, argv: list[str]):

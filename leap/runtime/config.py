@@ -12,6 +12,7 @@ table is used, so one file can configure a whole stack; otherwise its top-level 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import tomllib
@@ -63,6 +64,13 @@ class ServerConfig:
 COMMAND_LINE_SECRET = ("is not accepted on the command line: every user of the machine can read a command line "
                        "(ps, /proc/PID/cmdline). Use the LEAP_AUTH_TOKEN environment variable or a token file "
                        "(--auth-token-file FILE)")
+
+
+class SecretOnCommandLine(argparse.Action):
+    """An argparse action for a flag that must not carry a secret: it fails with the reason."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} {COMMAND_LINE_SECRET}")
 
 
 def read_token_file(path: str | os.PathLike) -> str:
