@@ -637,3 +637,24 @@ def test_the_syscall_filter_refuses_what_it_lists():
     assert {"ptrace", "process_vm_readv", "unshare", "setns", "mount", "bpf", "io_uring_setup", "keyctl"} <= listed
     assert not listed & {"fork", "clone", "execve", "kill", "socketpair", "mmap", "openat"}  # what jobs need
     confinement.syscall_filter()  # builds on this machine's libseccomp
+
+
+def test_what_a_candidate_writes_is_bounded_per_file_and_gone_after_the_job(sandbox):
+    # Each file is bounded (RLIMIT_FSIZE, 8 MiB here); their number is not (put work_dir on a
+    # size-limited file system, docs/ARCHITECTURE.md), but nothing outlives the job.
+    many = """
+    static char block[1 << 20];
+    for (int f = 0; f < 12; f++) {
+        char name[32]; snprintf(name, sizeof name, "fill-%d.bin", f);
+        FILE* out = fopen(name, "wb");
+        for (int k = 0; out && k < 4; k++) fwrite(block, 1, sizeof block, out);
+        if (out) fclose(out);
+    }
+"""
+    assert_passed(sandbox.evaluate("relu", attack(many), **NO_STATIC))
+    assert_contained(sandbox)  # the job directories are empty again
+    huge = '    FILE* out = fopen("huge.bin", "wb"); static char block[1 << 20];\n' \
+           '    for (int k = 0; k < 16; k++) fwrite(block, 1, sizeof block, out);\n'
+    verdict = sandbox.evaluate("relu", attack(huge), **NO_STATIC)
+    assert verdict.stage == Stage.STAGE_RUN and "FILE_SIZE_LIMIT" in flags(verdict), describe(verdict)
+    assert_contained(sandbox)
