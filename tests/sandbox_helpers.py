@@ -69,6 +69,9 @@ def running_sandbox(tmp_path: Path, **settings) -> Iterator[Sandbox]:
     # that take none (their end-of-job sweep would kill these tests' candidates).
     if "LEAP_TEST_SANDBOX_UID" in os.environ:
         settings.setdefault("sandbox_uid", int(os.environ["LEAP_TEST_SANDBOX_UID"]))
+    # Not root (a developer's machine, not CI): the sandbox cannot confine, so it would refuse
+    # to start; serve unconfined so the rest of the suite runs (confinement tests skip).
+    settings.setdefault("allow_unconfined", not AS_ROOT)
     config = SandboxConfig(port=free_port(), drain_seconds=0.0, grace_seconds=5.0, **settings)
     server = BackgroundServer(SPEC.build(config), config).start()
     sandbox = Sandbox(server, config)
