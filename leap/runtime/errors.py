@@ -197,6 +197,11 @@ def bounded_status(code: grpc.StatusCode, message: str, details: Iterable[Messag
     return status
 
 
+class StartupError(Exception):
+    """A service cannot start as configured (one line, for the operator: what is missing and
+    which setting changes it). `leap serve` prints it and exits non-zero."""
+
+
 class ServiceError(Exception):
     """An error meant for the client: a status code, a message and rich details."""
 

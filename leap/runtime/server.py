@@ -28,7 +28,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from leap.runtime.config import DEFAULT_PORTS, ServerConfig
+from leap.runtime.config import DEFAULT_PORTS, ServerConfig, resolve_auth_token
 from leap.runtime.interceptors import DEFAULT_REQUEST_BYTES, CallInterceptor, MethodRules
 from leap.runtime.logging import configure_logging, get_logger, library_output_as_logs
 
@@ -185,7 +185,8 @@ class Server:
         self.log = get_logger(f"leap.{service.name}")
         self.health = health.aio.HealthServicer()
         rules = method_rules(service.registrations, config.max_message_bytes)
-        self.interceptor = CallInterceptor(config.auth_token, exempt_prefixes=(f"/{HEALTH_SERVICE}/",), rules=rules)
+        self.interceptor = CallInterceptor(resolve_auth_token(config), exempt_prefixes=(f"/{HEALTH_SERVICE}/",),
+                                           rules=rules)
         receive_limit = max(rule.limit_bytes for rule in rules.values())
         self.grpc_server = grpc.aio.server(interceptors=[self.interceptor],
                                            options=server_options(config, receive_limit))
@@ -219,12 +220,16 @@ class Server:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc_server.start()
         if self.service.on_start is not None:
-            await self.service.on_start()
+            try:
+                await self.service.on_start()
+            except BaseException:  # a service that cannot start (StartupError): nothing keeps listening
+                await self.grpc_server.stop(0)
+                raise
         self.interceptor.starting = False
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.log.info("serving", address=self.address, services=names, tls=credentials is not None,
-                      auth=bool(self.config.auth_token))
+                      auth=bool(self.interceptor.expected_auth))
 
     async def wait(self) -> None:
         await self._stop_requested.wait()
