@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -121,7 +122,11 @@ def service_args(name: str, tmp: Path, model_dir: Path) -> list[str]:
     if name == "policy":
         return [*common, "--models", f"policy={model_dir}", "--torch-threads", "1"]
     if name == "sandbox":
-        return [*common, "--workers", "1", "--cache-dir", str(tmp / "sandbox-cache")]
+        args = [*common, "--workers", "1", "--cache-dir", str(tmp / "sandbox-cache")]
+        if "LEAP_TEST_SANDBOX_UID" in os.environ:  # as tests/sandbox_helpers.py: away from older sandboxes
+            args += ["--sandbox-uid", os.environ["LEAP_TEST_SANDBOX_UID"]]
+        # Not root: the sandbox cannot confine and would refuse to start (as in sandbox_helpers).
+        return args if os.geteuid() == 0 else [*args, "--allow-unconfined", "true"]
     if name == "reward":
         return [*common, "--history-path", str(tmp / "reward-history.sqlite3"), "--history-fsync", "false"]
     if name == "trainer":

@@ -229,7 +229,7 @@ class Server:
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.log.info("serving", address=self.address, services=names, tls=credentials is not None,
-                      auth=bool(self.interceptor.expected_auth))
+                      auth=bool(self.interceptor.auth_token))
 
     async def wait(self) -> None:
         await self._stop_requested.wait()
