@@ -22,6 +22,17 @@ import grpc
 UNARY_DEADLINE_SECONDS = 60.0
 STREAM_DEADLINE_SECONDS = 24 * 3600.0  # streams (metrics, telemetry) are long by nature
 
+# The bearer token of channels opened without one (auth_token=None): `leap serve` sets it to
+# the service's own auth_token, so that with one suite-wide token (LEAP_AUTH_TOKEN) a trainer
+# or distiller reaches the services it calls with the token they all require.
+_process_auth_token: str | None = None
+
+
+def use_auth_token(token: str | None) -> None:
+    """Make `token` the bearer token of every channel this process opens without one."""
+    global _process_auth_token
+    _process_auth_token = token or None
+
 
 def service_config(max_attempts: int = 5) -> str:
     """gRPC service config: round_robin, and retries with backoff for UNAVAILABLE only
@@ -169,6 +180,7 @@ def aio_channel(
     max_attempts: int = 5,
 ) -> grpc.aio.Channel:
     """An asyncio channel with LEAP's defaults (see the module docstring)."""
+    auth_token = _process_auth_token if auth_token is None else auth_token
     interceptors = [_AioDefaults(auth_token, unary_deadline, stream_deadline)]
     options = channel_options(max_message_bytes, max_attempts)
     credentials = _credentials(tls_ca, tls_cert, tls_key)
@@ -190,6 +202,7 @@ def sync_channel(
     max_attempts: int = 5,
 ) -> grpc.Channel:
     """A blocking channel with LEAP's defaults (see the module docstring)."""
+    auth_token = _process_auth_token if auth_token is None else auth_token
     options = channel_options(max_message_bytes, max_attempts)
     credentials = _credentials(tls_ca, tls_cert, tls_key)
     if credentials is None:
