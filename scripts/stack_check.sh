@@ -145,8 +145,8 @@ declare -A address=([policy]=127.0.0.1:$P_POLICY [sandbox]=127.0.0.1:$P_SANDBOX 
 conformance=()
 for service in policy sandbox reward trainer distill; do
   if "$LEAP" conformance "$service" "${address[$service]}" --auth-token "$TOKEN" --json >"$work/$service.json"; then
-    summary=$("$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); c = [x["outcome"] for x in r["checks"]]
-print(f"{c.count(\"PASS\")} passed, {c.count(\"FAIL\")} failed, {c.count(\"SKIP\")} skipped")' "$work/$service.json")
+    summary=$("$PY" -c 'import json, sys; c = [x["outcome"] for x in json.load(open(sys.argv[1]))["checks"]]
+print("%d passed, %d failed, %d skipped" % (c.count("PASS"), c.count("FAIL"), c.count("SKIP")))' "$work/$service.json")
     echo "$service: $summary" >&2
     conformance+=("\"$service\": \"$summary\"")
   else
