@@ -187,3 +187,27 @@ def test_a_sandbox_that_reports_failing_kernels_as_errors_fails_the_sandbox_suit
     outcome, why = results["a broken example is a verdict below STAGE_PASSED in a successful response"]
     assert outcome is Outcome.FAIL and why.startswith("INVALID_ARGUMENT")
     assert results["a task's own solution evaluates to STAGE_PASSED"][0] is Outcome.PASS
+
+
+def test_a_sandbox_that_compiles_unfenced_responses_fails_the_fence_check(tmp_path):
+    """What Candidate.source's comment used to promise (the whole text when there is no fence)
+    against what the contract says now (STAGE_FORMAT without raw_source). The real sandbox
+    servicer, with only its Evaluate wrapped to take unfenced text as code."""
+    from leap.sandbox.v1 import sandbox_pb2_grpc
+    from svc_sandbox.server import SandboxConfig, SandboxServicer
+
+    servicer = SandboxServicer(SandboxConfig(workers=1, cache_dir=str(tmp_path / "cache")))
+    real_evaluate = servicer.Evaluate
+
+    async def whole_text_without_a_fence(request, context):
+        if "```" not in request.candidate.source:
+            request.options.raw_source = True
+        return await real_evaluate(request, context)
+
+    servicer.Evaluate = whole_text_without_a_fence
+    with serving("sandbox", servicer, sandbox_pb2_grpc.add_SandboxServiceServicer_to_server,
+                 on_start=servicer.on_start, on_stop=servicer.on_stop) as address:
+        results = outcomes(check_service("sandbox", address))
+    outcome, why = results["a response without a fenced code block stops at STAGE_FORMAT unless options.raw_source"]
+    assert outcome is Outcome.FAIL and "STAGE_PASSED (STAGE_FORMAT expected" in why
+    assert results["a task's own solution evaluates to STAGE_PASSED"][0] is Outcome.PASS

@@ -70,7 +70,7 @@ def run(args, extra: list[str]) -> int:
         settings_parser(spec).print_help()
         return 0
     settings = load_settings(spec, extra)
-    if args.service in LEARNER_SERVICES and not learner_driver():
+    if args.service in LEARNER_SERVICES and not learner_driver(spec.name, settings.log_level):
         return 0  # a follower rank under torchrun: it trained in lockstep with rank 0 and is done
     try:
         run_server(spec, settings)
@@ -84,14 +84,18 @@ def run(args, extra: list[str]) -> int:
     return 0
 
 
-def learner_driver() -> bool:
+def learner_driver(service: str = "", log_level: str = "info") -> bool:
     """Under `torchrun --nproc-per-node N -m leap serve trainer` every rank joins one process
     group; rank 0 serves and drives, the others replay its learner's calls (FSDP) until it
-    shuts down. Returns whether this process is rank 0 (True with a single process)."""
+    shuts down, logging JSON lines as rank 0 does. Returns whether this process is rank 0
+    (True with a single process)."""
     from leap.learning.distributed import current_world, follow
+    from leap.runtime.logging import configure_logging, library_output_as_logs
 
     world = current_world()
     if world.is_driver:
         return True
-    follow()
+    configure_logging(log_level, service=service)
+    with library_output_as_logs():
+        follow()
     return False

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from leap.runtime.config import DEFAULT_PORTS, ServerConfig
 from leap.runtime.exposure import check_exposure
 from leap.runtime.interceptors import CallInterceptor
-from leap.runtime.logging import configure_logging, get_logger
+from leap.runtime.logging import configure_logging, get_logger, library_output_as_logs
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -178,8 +178,9 @@ def run(spec: ServiceSpec, config: ServerConfig) -> None:
     use_auth_token(config.auth_token)  # the services it calls require the suite's one token too
     # `kill -USR1 PID` prints every thread's stack to stderr: how to see where a service hangs.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    service = spec.build(config)
-    asyncio.run(serve(service, config))
+    with library_output_as_logs():  # progress bars, library loggers and prints: JSON lines too
+        service = spec.build(config)
+        asyncio.run(serve(service, config))
 
 
 class BackgroundServer:
