@@ -86,3 +86,61 @@ def test_channels_without_a_token_of_their_own_send_the_process_token():
     finally:
         use_auth_token(None)
         server.stop()
+
+
+def test_every_kind_of_aio_call_carries_the_token():
+    """grpc.aio files an interceptor under the first call kind it implements only: the
+    trainer's UpdateWeights (a client stream) once went out without the token."""
+    import asyncio
+
+    import grpc
+
+    from leap.clients import aio_channel
+
+    async def main() -> dict[str, str | None]:
+        seen: dict[str, str | None] = {}
+
+        def record(kind, context):
+            seen[kind] = dict(context.invocation_metadata()).get("authorization")
+
+        async def unary_unary(request, context):
+            record("unary_unary", context)
+            return b"ok"
+
+        async def unary_stream(request, context):
+            record("unary_stream", context)
+            yield b"ok"
+
+        async def stream_unary(requests, context):
+            async for _ in requests:
+                pass
+            record("stream_unary", context)
+            return b"ok"
+
+        async def stream_stream(requests, context):
+            async for _ in requests:
+                pass
+            record("stream_stream", context)
+            yield b"ok"
+
+        handlers = {"UU": grpc.unary_unary_rpc_method_handler(unary_unary),
+                    "US": grpc.unary_stream_rpc_method_handler(unary_stream),
+                    "SU": grpc.stream_unary_rpc_method_handler(stream_unary),
+                    "SS": grpc.stream_stream_rpc_method_handler(stream_stream)}
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = aio_channel(f"127.0.0.1:{port}", auth_token=TOKEN, max_attempts=1)
+        try:
+            await channel.unary_unary("/t.S/UU")(b"x")
+            [_ async for _ in channel.unary_stream("/t.S/US")(b"x")]
+            await channel.stream_unary("/t.S/SU")(iter([b"a", b"b"]))
+            [_ async for _ in channel.stream_stream("/t.S/SS")(iter([b"a"]))]
+        finally:
+            await channel.close()
+            await server.stop(0)
+        return seen
+
+    assert asyncio.run(main()) == dict.fromkeys(["unary_unary", "unary_stream", "stream_unary", "stream_stream"],
+                                                f"Bearer {TOKEN}")

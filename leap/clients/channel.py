@@ -86,13 +86,10 @@ def _metadata(existing: Sequence[tuple[str, str]] | None, auth_token: str | None
     return [*items, ("authorization", f"Bearer {auth_token}")]
 
 
-class _AioDefaults(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the default deadline and the auth token to every call of an aio channel."""
+class _AioDefaults:
+    """Adds the default deadline and the auth token to every call of an aio channel. grpc.aio
+    files an interceptor under the first call kind it implements only, so each kind has a
+    class of its own (one class of all four would leave streaming calls without the token)."""
 
     def __init__(self, auth_token: str | None, unary_deadline: float, stream_deadline: float):
         self.auth_token = auth_token
@@ -108,15 +105,23 @@ class _AioDefaults(
             wait_for_ready=details.wait_for_ready,
         )
 
+
+class _AioUnaryUnary(_AioDefaults, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details, self.unary_deadline), request)
 
+
+class _AioUnaryStream(_AioDefaults, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details, self.stream_deadline), request)
 
+
+class _AioStreamUnary(_AioDefaults, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details, self.stream_deadline), request_iterator)
 
+
+class _AioStreamStream(_AioDefaults, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details, self.stream_deadline), request_iterator)
 
@@ -181,7 +186,8 @@ def aio_channel(
 ) -> grpc.aio.Channel:
     """An asyncio channel with LEAP's defaults (see the module docstring)."""
     auth_token = _process_auth_token if auth_token is None else auth_token
-    interceptors = [_AioDefaults(auth_token, unary_deadline, stream_deadline)]
+    interceptors = [kind(auth_token, unary_deadline, stream_deadline)
+                    for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
     options = channel_options(max_message_bytes, max_attempts)
     credentials = _credentials(tls_ca, tls_cert, tls_key)
     if credentials is None:
