@@ -172,8 +172,9 @@ trainer = connect("trainer", sys.argv[1], aio=False, auth_token=os.environ["LEAP
 config = trainer_pb2.RunConfig(model_path="/models/tiny", steps=1, tasks_per_step=4, group_size=4, max_turns=2,
                                toolchain=common_pb2.Toolchain.TOOLCHAIN_CPU, eval_every=0, checkpoint_every=1,
                                display_name="stack_check")
+out, sys.stdout = sys.stdout, sys.stderr  # run_to_end's evaluation lines go to stderr
 finished = run_to_end(trainer, trainer_pb2, config, "stack_check", progress=False)
-print(finished.run.run_id)
+print(finished.run.run_id, file=out)
 EOF
 }
 
