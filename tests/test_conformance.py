@@ -77,15 +77,26 @@ def test_command_exits_one_when_a_check_fails(own_services, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-def test_auth_token_reaches_every_call(monkeypatch):
+def test_auth_token_reaches_every_call(monkeypatch, tmp_path):
     from svc_reward.server import SPEC, RewardConfig
 
     monkeypatch.delenv("LEAP_AUTH_TOKEN", raising=False)
     config = RewardConfig(port=free_port(), history_path="", auth_token="s3cret", drain_seconds=0.0)
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
     with BackgroundServer(SPEC.build(config), config) as server:
         without_token = failures(check_service("reward", server.address))
-        assert main(["conformance", "reward", server.address, "--auth-token", "s3cret"]) == 0
+        assert main(["conformance", "reward", server.address, "--auth-token-file", str(token_file)]) == 0
+        monkeypatch.setenv("LEAP_AUTH_TOKEN", "s3cret")
+        assert main(["conformance", "reward", server.address]) == 0
     assert without_token and all(r.why.startswith("UNAUTHENTICATED") for r in without_token)
+
+
+def test_a_token_on_the_command_line_is_refused_with_the_reason(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["conformance", "reward", "127.0.0.1:1", "--auth-token", "s3cret"])
+    assert exit.value.code == 2
+    assert "cmdline" in capsys.readouterr().err
 
 
 def test_unknown_service_is_one_friendly_line(capsys):

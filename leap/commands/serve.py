@@ -34,6 +34,10 @@ def settings_parser(spec) -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file of settings (a [%s] table or top-level keys)" % spec.name)
     for field in cfg.fields_of(spec.config_class):
+        if field.metadata.get("flag", True) is False:  # a secret: refused with the reason
+            parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, default=None,
+                                action=cfg.SecretOnCommandLine, help=argparse.SUPPRESS)
+            continue
         kind = cfg.field_type(spec.config_class, field)
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         flag = "--" + field.name.replace("_", "-")
@@ -61,6 +65,7 @@ def load_settings(spec, argv: list[str]):
 
 def run(args, extra: list[str]) -> int:
     from leap.cli import UserError
+    from leap.runtime.errors import StartupError
     from leap.runtime.server import run as run_server
 
     if args.service is None:
@@ -74,7 +79,7 @@ def run(args, extra: list[str]) -> int:
         return 0  # a follower rank under torchrun: it trained in lockstep with rank 0 and is done
     try:
         run_server(spec, settings)
-    except OSError as err:
+    except (OSError, StartupError) as err:
         raise UserError(str(err)) from None
     finally:
         if args.service in LEARNER_SERVICES:

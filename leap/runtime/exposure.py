@@ -27,10 +27,11 @@ def is_loopback(host: str) -> bool:
 
 def exposure_problem(config) -> str | None:
     """Why a server with `config` (a ServerConfig) must not start, in one line, or None."""
-    if is_loopback(config.host) or config.auth_token or config.tls_client_ca or config.allow_unauthenticated:
+    if (is_loopback(config.host) or config.auth_token or getattr(config, "auth_token_file", "")
+            or config.tls_client_ca or config.allow_unauthenticated):
         return None
-    return (f"refusing to serve on {config.host} without authentication: set auth_token (LEAP_AUTH_TOKEN) or "
-            "tls_client_ca, bind 127.0.0.1, or set allow_unauthenticated=true (LEAP_ALLOW_UNAUTHENTICATED=true) "
+    return (f"refusing to serve on {config.host} without authentication: set auth_token (LEAP_AUTH_TOKEN), "
+            "auth_token_file or tls_client_ca, bind 127.0.0.1, or set allow_unauthenticated=true (LEAP_ALLOW_UNAUTHENTICATED=true) "
             "to serve anyway")
 
 

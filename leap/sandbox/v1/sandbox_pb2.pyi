@@ -1226,8 +1226,20 @@ class ListDevicesResponse(_message.Message):
 
     DEVICES_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
+    CONFINEMENT_FIELD_NUMBER: _builtins.int
+    UNCONFINED_FIELD_NUMBER: _builtins.int
     unavailable_reason: _builtins.str
     """Why no device is listed (for example "NVML library not found"); empty otherwise."""
+    confinement: _builtins.str
+    """How candidates are confined on this sandbox, in words, for example "bubblewrap 0.11.0:
+    mount, pid, network, IPC and UTS namespaces, a read-only view; uids 61000-61003;
+    seccomp filter". Where `unconfined` is set it also names what is missing.
+    """
+    unconfined: _builtins.bool
+    """True when the operator started this sandbox with allow_unconfined and some layer of the
+    confinement could not be had: candidates may reach what that layer guards (a caller
+    that trains on untrusted models should refuse such a sandbox).
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]:
         """The devices; empty where none is present."""
@@ -1237,10 +1249,12 @@ class ListDevicesResponse(_message.Message):
         *,
         devices: _abc.Iterable[Global___Device] | None = ...,
         unavailable_reason: _builtins.str = ...,
+        confinement: _builtins.str = ...,
+        unconfined: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "unavailable_reason", b"unavailable_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confinement", b"confinement", "devices", b"devices", "unavailable_reason", b"unavailable_reason", "unconfined", b"unconfined"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
