@@ -33,7 +33,8 @@ def test_beyond_loopback_needs_a_token_or_client_certificates_or_the_opt_out(hos
     problem = exposure_problem(ServerConfig(host=host))
     assert problem and host in problem and "auth_token" in problem and "allow_unauthenticated" in problem
     assert "\n" not in problem
-    for protected in ({"auth_token": TOKEN}, {"tls_client_ca": "/etc/leap/ca.pem"}, {"allow_unauthenticated": True}):
+    for protected in ({"auth_token": TOKEN}, {"auth_token_file": "/run/secrets/token"},
+                      {"tls_client_ca": "/etc/leap/ca.pem"}, {"allow_unauthenticated": True}):
         assert exposure_problem(dataclasses.replace(ServerConfig(host=host), **protected)) is None, protected
 
 

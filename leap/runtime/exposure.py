@@ -31,8 +31,8 @@ def exposure_problem(config) -> str | None:
             or config.tls_client_ca or config.allow_unauthenticated):
         return None
     return (f"refusing to serve on {config.host} without authentication: set auth_token (LEAP_AUTH_TOKEN), "
-            "auth_token_file or tls_client_ca, bind 127.0.0.1, or set allow_unauthenticated=true (LEAP_ALLOW_UNAUTHENTICATED=true) "
-            "to serve anyway")
+            "auth_token_file or tls_client_ca, bind 127.0.0.1, or set allow_unauthenticated=true "
+            "(LEAP_ALLOW_UNAUTHENTICATED=true) to serve anyway")
 
 
 def check_exposure(config) -> None:
