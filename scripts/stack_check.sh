@@ -135,7 +135,7 @@ for service in policy reward trainer distill sandbox; do
 done
 [ "$($DC exec -T policy id -u)" = 10001 ] || fail "the policy runs as root"
 [ "$($DC exec -T sandbox id -u)" = 0 ] || fail "the sandbox does not run as root"
-if $DC logs sandbox 2>&1 | grep -E "not in a network namespace|cannot be confined|unconfined" >&2; then
+if $DC logs sandbox 2>&1 | grep -iE "not in a network namespace|cannot be confined|is not confined" >&2; then
   fail "the sandbox is not confined in its container"
 fi
 
