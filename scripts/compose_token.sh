@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Write a random bearer token for the compose stack to compose/.env (LEAP_AUTH_TOKEN=...),
 # readable by you alone; Compose reads that file by itself. Keeps an existing token unless
-# --new is given. Clients send the same token: `leap conformance --auth-token "$TOKEN" ...`,
+# --new is given. Clients send the same token: `LEAP_AUTH_TOKEN=... leap conformance ...` (or --auth-token-file),
 # or LEAP_AUTH_TOKEN in their environment (`set -a; . compose/.env; set +a`).
 #   scripts/compose_token.sh [--new] [FILE]        (FILE defaults to compose/.env)
 set -euo pipefail

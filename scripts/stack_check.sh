@@ -145,13 +145,13 @@ declare -A address=([policy]=127.0.0.1:$P_POLICY [sandbox]=127.0.0.1:$P_SANDBOX 
 conformance=()
 failed=()
 for service in policy sandbox reward trainer distill; do
-  if "$LEAP" conformance "$service" "${address[$service]}" --auth-token "$TOKEN" --json >"$work/$service.json"; then
+  if LEAP_AUTH_TOKEN="$TOKEN" "$LEAP" conformance "$service" "${address[$service]}" --json >"$work/$service.json"; then
     summary=$("$PY" -c 'import json, sys; c = [x["outcome"] for x in json.load(open(sys.argv[1]))["checks"]]
 print("%d passed, %d failed, %d skipped" % (c.count("PASS"), c.count("FAIL"), c.count("SKIP")))' "$work/$service.json")
     echo "$service: $summary" >&2
     conformance+=("\"$service\": \"$summary\"")
   else
-    "$LEAP" conformance "$service" "${address[$service]}" --auth-token "$TOKEN" | grep -E "FAIL|passed" >&2 || true
+    LEAP_AUTH_TOKEN="$TOKEN" "$LEAP" conformance "$service" "${address[$service]}" | grep -E "FAIL|passed" >&2 || true
     conformance+=("\"$service\": \"FAILED\"")
     failed+=("conformance of $service")
   fi
