@@ -88,7 +88,8 @@ def learner_driver() -> bool:
     """Under `torchrun --nproc-per-node N -m leap serve trainer` every rank joins one process
     group; rank 0 serves and drives, the others replay its learner's calls (FSDP) until it
     shuts down. Returns whether this process is rank 0 (True with a single process)."""
-    from leap.learning.distributed import current_world, follow
+    from leap.learning.distributed import current_world
+    from leap.learning.learner import follow
 
     world = current_world()
     if world.is_driver:

@@ -372,6 +372,23 @@ class Learner:
         return state
 
 
+def follow(factory: Callable[..., Learner] | None = None) -> None:
+    """The loop of a follower rank: build each learner rank 0 creates, replay its calls, and
+    return when rank 0 sends "exit" (`leap.learning.distributed.release_followers`)."""
+    world = current_world()
+    if world.is_driver:
+        raise RuntimeError("follow() runs on ranks other than 0")
+    factory = factory or Learner
+    while True:
+        message = world.broadcast(None)
+        if message[0] == "exit":
+            return
+        if message[0] != "create":
+            raise RuntimeError(f"follower expected a create or exit command, got {message[0]!r}")
+        learner = factory(message[1], world=world, follower=True)
+        learner.follow()
+
+
 # --- helpers ----------------------------------------------------------------------------------
 
 
