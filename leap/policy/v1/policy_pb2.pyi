@@ -1062,7 +1062,8 @@ class CommitWeightsRequest(_message.Message):
     shared_memory_name: _builtins.str
     """Shared memory: the object's name in `shared_memory_dir` ("leap-w-" followed by the
     writer's process id, "-" and 32 hex digits), created by the caller with O_EXCL and mode
-    0600. The service unlinks it once read, whatever the outcome.
+    0600. It stays the caller's: the service only reads it during this call, so the caller
+    may write it again for its next push once the call has answered, and unlinks it when done.
     """
     shared_memory_bytes: _builtins.int
     """Shared memory: the object's size in bytes."""
