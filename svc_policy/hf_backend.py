@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from leap.runtime.logging import get_logger
@@ -84,6 +85,7 @@ class _UpdateJob:
     tensors: dict[str, torch.Tensor]
     version: int
     future: concurrent.futures.Future
+    adopt: bool = False
 
 
 class HFEngine(Engine):
@@ -121,6 +123,12 @@ class HFEngine(Engine):
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
         )
         self._specs = {name: TensorSpec(t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()}
+        # Where each state-dict name lives, so an adopted tensor can replace it (tied names
+        # share one Parameter object: replacing its data replaces every name's).
+        self._owners: dict[str, tuple[torch.nn.Module, str]] = {}
+        for prefix, module in self.model.named_modules(remove_duplicate=False):
+            for attr in (*module._parameters, *module._buffers):
+                self._owners[f"{prefix}.{attr}" if prefix else attr] = (module, attr)
         self._cond = threading.Condition()
         self._waiting: deque[_Running] = deque()
         self._scores: deque[_ScoreJob] = deque()
@@ -153,10 +161,10 @@ class HFEngine(Engine):
             self._cond.notify()
         return future
 
-    def update(self, tensors: dict[str, torch.Tensor], version: int) -> concurrent.futures.Future:
+    def update(self, tensors: dict[str, torch.Tensor], version: int, adopt: bool = False) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            self._updates.append(_UpdateJob(tensors, version, future))
+            self._updates.append(_UpdateJob(tensors, version, future, adopt))
             self._cond.notify()
         return future
 
@@ -369,13 +377,28 @@ class HFEngine(Engine):
                 raise ValueError(f"version {job.version} does not exceed the serving version {self.version}")
             state = self.model.state_dict()
             for name, tensor in job.tensors.items():
-                state[name].copy_(tensor.to(state[name].device, non_blocking=True))
+                target = state[name]
+                if job.adopt and tensor.device == target.device and tensor.dtype == target.dtype and tensor.is_contiguous():
+                    self._adopt(name, tensor)  # no copy: the staged buffer becomes the parameter
+                elif target.device.type == "cpu" and tensor.device.type == "cpu" and tensor.dtype == target.dtype:
+                    # One thread's memcpy: torch's copy_ here fans out to an OpenMP team of this
+                    # worker thread, which competes with the service's other threads for the cores.
+                    np.copyto(target.detach().numpy(), tensor.detach().numpy())
+                else:
+                    target.copy_(tensor.to(target.device, non_blocking=True))
             if self.device.startswith("cuda"):
                 torch.cuda.synchronize()
             self.version = job.version
             job.future.set_result(None)
         except Exception as err:
             job.future.set_exception(err)
+
+    def _adopt(self, name: str, tensor: torch.Tensor) -> None:
+        module, attr = self._owners[name]
+        if attr in module._parameters:
+            module._parameters[attr].data = tensor
+        else:
+            module._buffers[attr] = tensor
 
     def _fail_in_flight(self, error: BaseException, scores: list[_ScoreJob]) -> None:
         for job in scores:

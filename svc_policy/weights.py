@@ -83,6 +83,30 @@ class WeightStaging:
                 for name, buffer in self.buffers.items()}
 
 
+def check_table(entries, specs: Mapping[str, TensorSpec], v: Violations,
+                field: str = "tensors") -> list[TensorSpec]:
+    """Check a CommitWeights table (`TensorEntry`s) against the model's tensors: each name
+    once, known, with the model's dtype and shape. Adds every problem to `v` (fields like
+    `tensors[2].shape`); returns each entry's spec (None where unknown)."""
+    found: list[TensorSpec] = []
+    seen: set[str] = set()
+    v.check(len(entries) > 0, field, "the commit names no tensor")
+    for index, item in enumerate(entries):
+        where = f"{field}[{index}]"
+        spec = specs.get(item.name)
+        found.append(spec)  # type: ignore[arg-type]
+        if spec is None:
+            v.add(f"{where}.name", f"the model has no tensor {item.name!r}")
+            continue
+        v.check(item.name not in seen, f"{where}.name", f"{item.name!r} is listed twice")
+        seen.add(item.name)
+        v.check(PROTO_TO_TORCH.get(item.dtype) == spec.dtype, f"{where}.dtype",
+                f"{item.name!r} is {_dtype_name(spec.dtype)} in the model, the table says {_proto_dtype_name(item.dtype)}")
+        v.check(tuple(item.shape) == spec.shape, f"{where}.shape",
+                f"{item.name!r} has shape {list(spec.shape)} in the model, the table says {list(item.shape)}")
+    return found
+
+
 def load_checkpoint(path: str, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
     """The tensors of every *.safetensors file in a local directory, checked by name and
     shape against the model and cast to its dtypes (a checkpoint may be saved in another)."""
