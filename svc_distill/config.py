@@ -14,7 +14,9 @@ import math
 from leap.common.v1 import common_pb2
 from leap.distill.v1 import distill_pb2
 from leap.learning import check_model_dir
-from leap.learning.run_config import fill_optimizer, fill_sampling, optimizer_violations, sampling_violations
+from leap.learning.run_config import (
+    fill_lora, fill_optimizer, fill_sampling, lora_violations, optimizer_violations, sampling_violations,
+)
 from leap.runtime import Violations
 from svc_distill.losses import TuOpdConfig
 
@@ -47,6 +49,7 @@ def with_defaults(config: distill_pb2.DistillConfig, *, student_address: str,
     out.samples_per_example = out.samples_per_example or DEFAULT_SAMPLES_PER_EXAMPLE
     fill_sampling(out.sampling)
     fill_optimizer(out.optimizer)
+    fill_lora(out.lora)
     out.objective = out.objective or Objective.OBJECTIVE_CRD
     if not out.HasField("reliability_threshold"):
         out.reliability_threshold = DEFAULT_RELIABILITY_THRESHOLD
@@ -79,6 +82,7 @@ def violations(config: distill_pb2.DistillConfig, prefix: str = "config.") -> Vi
           f"must be at least 1 (0 means the default, {DEFAULT_SAMPLES_PER_EXAMPLE})")
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
+    lora_violations(config.lora, prefix + "lora.", v)
     check(config.objective in Objective.values(), "objective", f"unknown objective {config.objective}")
     if config.HasField("reliability_threshold"):
         check(0 <= config.reliability_threshold <= 1, "reliability_threshold",

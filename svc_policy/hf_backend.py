@@ -32,6 +32,7 @@ from leap.tokenization import tokenizer_fingerprint
 from svc_policy import sampling
 from svc_policy.engine import Engine, FinishReason, Job, Limits, ModelMeta, Result, Sample, TensorSpec
 from svc_policy.kv import BatchCache, cache_keyword, supports_batch_cache
+from svc_policy.lora import ServedAdapter
 from svc_policy.text import StopStrings, completion_text, eos_token_ids
 
 log = get_logger("leap.policy.hf")
@@ -92,7 +93,7 @@ class HFEngine(Engine):
     backend = "hf"
 
     def __init__(self, path: str | Path, device: str = "auto", dtype: str = "auto", limits: Limits = Limits(),
-                 version: int = 0):
+                 version: int = 0, lora=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -123,6 +124,10 @@ class HFEngine(Engine):
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
         )
         self._specs = {name: TensorSpec(t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()}
+        # A LoRA adapter merged on the fly (svc_policy.lora): its tensors join the specs.
+        self.adapter = ServedAdapter(self.model, lora) if lora is not None else None
+        if self.adapter is not None:
+            self._specs.update(self.adapter.specs())
         # Where each state-dict name lives, so an adopted tensor can replace it (tied names
         # share one Parameter object: replacing its data replaces every name's).
         self._owners: dict[str, tuple[torch.nn.Module, str]] = {}
@@ -376,7 +381,8 @@ class HFEngine(Engine):
             if job.version <= self.version:
                 raise ValueError(f"version {job.version} does not exceed the serving version {self.version}")
             state = self.model.state_dict()
-            for name, tensor in job.tensors.items():
+            tensors = self.adapter.apply(job.tensors) if self.adapter is not None else job.tensors
+            for name, tensor in tensors.items():
                 target = state[name]
                 if job.adopt and tensor.device == target.device and tensor.dtype == target.dtype and tensor.is_contiguous():
                     self._adopt(name, tensor)  # no copy: the staged buffer becomes the parameter

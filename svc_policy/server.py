@@ -39,6 +39,7 @@ from leap.runtime import (
 from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
 from svc_policy.engine import Engine, Job, Limits, Result, Sample, Unsupported
+from leap.learning.lora import LoraSettings
 from svc_policy.text import render_prompt
 from svc_policy.transports import HostProbe, SharedMappings, WeightGroups, open_cuda_ipc, read_shared
 from svc_policy.weights import WeightStaging, check_table, load_checkpoint
@@ -129,7 +130,9 @@ class Entry:
 
     def info(self) -> policy_pb2.ModelInfo:
         meta = self.engine.meta
+        adapter = getattr(self.engine, "adapter", None)
         return policy_pb2.ModelInfo(
+            lora=adapter.shape.to_proto() if adapter is not None else None,
             name=self.name, path=self.path, backend=self.backend, device=meta.device, dtype=meta.dtype,
             version=self.engine.version, num_parameters=meta.num_parameters, vocab_size=meta.vocab_size,
             max_context_tokens=meta.max_context_tokens, tokenizer_fingerprint=meta.tokenizer_fingerprint,
@@ -138,7 +141,8 @@ class Entry:
         )
 
 
-def create_engine(backend: int, path: str, device: str, dtype: str, version: int, config: PolicyConfig) -> Engine:
+def create_engine(backend: int, path: str, device: str, dtype: str, version: int, config: PolicyConfig,
+                  lora: LoraSettings | None = None) -> Engine:
     """A backend instance serving the model at `path` (blocking: loads the weights)."""
     if backend == Backend.BACKEND_VLLM:
         from svc_policy.vllm_backend import VllmEngine
@@ -146,7 +150,7 @@ def create_engine(backend: int, path: str, device: str, dtype: str, version: int
         return VllmEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version, config=config)
     from svc_policy.hf_backend import HFEngine
 
-    return HFEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version)
+    return HFEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version, lora=lora)
 
 
 def vllm_available() -> str:
@@ -188,7 +192,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         return entry
 
     async def load(self, name: str, path: str, backend: int = 0, device: str = "", dtype: str = "",
-                   version: int = 0) -> Entry:
+                   version: int = 0, lora=None) -> Entry:
         v = Violations()
         v.check(bool(MODEL_NAME.match(name)), "name", "is required: letters, digits, '.', '_' or '-', at most 128")
         directory = Path(path).expanduser() if path else None
@@ -203,8 +207,19 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         v.check(dtype in DTYPE_NAMES, "dtype", f"must be one of {', '.join(d for d in DTYPE_NAMES if d)}")
         v.check(bool(re.match(r"^(|auto|cpu|cuda(:\d+)?)$", device)), "device", "must be cpu, cuda or cuda:N")
         v.check(version >= 0, "version", "must be at least 0")
+        shape = None
+        if lora is not None and lora.rank:
+            v.check(lora.rank > 0, "lora.rank", "must be positive (0: no adapter)")
+            v.check(not lora.HasField("alpha") or lora.alpha > 0, "lora.alpha", "must be above 0")
+            v.check(all(t.strip() for t in lora.target_modules), "lora.target_modules", "must not hold an empty name")
+            shape = LoraSettings.from_proto(lora) if lora.rank > 0 else None
+        elif lora is not None:
+            v.check(lora.rank == 0 and not lora.target_modules, "lora.rank", "is required (at least 1) with target_modules")
         v.raise_if_any()
         backend = backend or BACKEND_NAMES.get(self.config.backend, Backend.BACKEND_HF)
+        if shape is not None and backend == Backend.BACKEND_VLLM:
+            raise failed_precondition("LoRA adapters are served by the hf backend only for now (vLLM's LoRA API is not "
+                                      "wired in); load with backend BACKEND_HF", "LORA_UNSUPPORTED_BY_BACKEND")
         if name in self.models or name in self._loading:
             raise error_info(grpc.StatusCode.ALREADY_EXISTS, f"model {name!r} is already loaded; unload it first",
                              "MODEL_ALREADY_LOADED", model=name)
@@ -215,7 +230,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         try:
             engine = await asyncio.to_thread(create_engine, backend, str(directory.resolve()),
                                              device or self.config.device, dtype or self.config.dtype, version,
-                                             self.config)
+                                             self.config, shape)
         except (OSError, ValueError) as err:
             raise invalid_argument("path", f"cannot load {path!r}: {err}") from None
         finally:
@@ -579,7 +594,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     async def LoadModel(self, request, context):
         entry = await self.load(request.name, request.path, request.backend, request.device, request.dtype,
-                                request.version)
+                                request.version, request.lora if request.HasField("lora") else None)
         return policy_pb2.LoadModelResponse(model=entry.info())
 
     async def UnloadModel(self, request, context):

@@ -84,7 +84,8 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
         s = self.settings
         return TrainingJob(self.config_of(record), JobSettings(device=s.device, service_retry_seconds=s.service_retry_seconds,
                                                                keep_checkpoints=s.keep_checkpoints,
-                                                               rollout_log=s.rollout_log))
+                                                               rollout_log=s.rollout_log,
+                                                               weight_transport=s.weight_transport))
 
 
 def build(config: TrainerConfig) -> Service:

@@ -261,3 +261,28 @@ def test_word_sum_reads_int32_words_and_a_padded_tail():
     data = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)  # one word 0x04030201, then 0x00000005
     assert tx.word_sum(data) == 0x04030201 + 5
     assert tx.word_sum(torch.tensor([-1], dtype=torch.int32)) == 2**64 - 1
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_and_nccl_commit_gpu_tensors(tiny_model_dir, weights):
+    """GPU only: a model served on cuda takes GPU tensors by CUDA IPC handles and over an NCCL
+    group, committing what the stream would."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (CUDA IPC and NCCL)")
+    running = serve()
+    try:
+        channel = grpc.insecure_channel(running.address)
+        stub = policy_pb2_grpc.PolicyServiceStub(channel)
+        stub.LoadModel(policy_pb2.LoadModelRequest(name="gpu", path=str(tiny_model_dir), device="cuda:0",
+                                                   dtype="float32"), timeout=120)
+        before = tokens(stub.Generate(first_turn_request("gpu"), timeout=120))
+        on_gpu = {k: v.cuda() for k, v in perturbed(weights).items()}
+        assert push(running.address, "gpu", 1, on_gpu, "cuda-ipc").transport == "cuda-ipc"
+        after = tokens(stub.Generate(first_turn_request("gpu"), timeout=120))
+        assert after != before
+        push_weights_blocking(stub, "gpu", 2, weights)
+        assert push(running.address, "gpu", 3, on_gpu, "distributed").version == 3
+        assert tokens(stub.Generate(first_turn_request("gpu"), timeout=120)) == after
+        channel.close()
+    finally:
+        running.stop()

@@ -293,7 +293,8 @@ class WeightPusher:
                                            f"{', '.join(transport_name(t) for t in self.offer.transports)})")
             return order
         local = same_host(self.offer)
-        order = [t for t in (SHARED_MEMORY, DISTRIBUTED) if t in offered and (t != SHARED_MEMORY or local)]
+        order = [t for t in (CUDA_IPC, SHARED_MEMORY, DISTRIBUTED)
+                 if t in offered and (t == DISTRIBUTED or local)]
         return [t for t in order if t not in self.dropped] + [STREAM]
 
     async def push(self, version: int, state_dict: Mapping[str, torch.Tensor],
@@ -327,6 +328,8 @@ class WeightPusher:
                 return await self._push_shared(version, state_dict, dtype)
             if transport == DISTRIBUTED:
                 return await self._push_group(version, state_dict, dtype)
+            if transport == CUDA_IPC:
+                return await self._push_cuda_ipc(version, state_dict, dtype)
         except grpc.aio.AioRpcError as err:
             if err.code() in UNAVAILABLE_HERE:
                 raise TransportUnavailable(f"{err.code().name}: {err.details()}") from None
@@ -350,6 +353,26 @@ class WeightPusher:
             model=self.model, version=version, transport=SHARED_MEMORY, shared_memory_name=self._segment.path.name,
             shared_memory_bytes=self._segment.size, tensors=entries)
         return await self._commit(request)
+
+    async def _push_cuda_ipc(self, version: int, state_dict, dtype):
+        """GPU tensors by their CUDA IPC handles (the service copies them device to device
+        before it answers; `tensors` keeps them alive until then)."""
+        tensors = prepared(state_dict, dtype, device=None)
+        if not tensors or any(t.device.type != "cuda" for _, t in tensors):
+            raise TransportUnavailable("CUDA IPC carries GPU tensors; these are on the CPU")
+        entries = []
+        for name, tensor in tensors:
+            device, handle, size, offset, ref_handle, ref_offset, event, sync = tensor.untyped_storage()._share_cuda_()
+            ipc = policy_pb2.CudaIpcHandle(storage_handle=handle, storage_size_bytes=size, storage_offset_bytes=offset,
+                                           ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
+                                           event_handle=event or b"", event_sync_required=bool(sync),
+                                           device_index=device, storage_offset=tensor.storage_offset())
+            entries.append(entry(name, tensor, word_sum=word_sum(tensor), cuda_ipc=ipc))
+        request = policy_pb2.CommitWeightsRequest(model=self.model, version=version, transport=CUDA_IPC,
+                                                  tensors=entries)
+        reply = await self._commit(request)
+        del tensors
+        return reply
 
     async def _commit(self, request: policy_pb2.CommitWeightsRequest, on_ready=None):
         call = self.stub.CommitWeights(request, timeout=self.timeout)
