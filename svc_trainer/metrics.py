@@ -21,3 +21,13 @@ def rollout_metrics(trajectories: Sequence[Sequence[Outcome]], expanded: Sequenc
     values["speedup/mean_correct"] = mean_speedup_of_correct(trajectories)
     values["expanded_share"] = expanded_share(expanded)
     return values
+
+
+def zero_spread_share(rewards_by_group: Sequence[Sequence[float]]) -> float:
+    """Share of groups whose rewards all tie (TRL's `frac_reward_zero_std`): such a group's
+    advantages are all 0, so it teaches nothing. 1.0 for step after step means the run has no
+    learning signal (a model that never passes, or always does, and ties on everything else)."""
+    if not rewards_by_group:
+        return 0.0
+    flat = sum(1 for rewards in rewards_by_group if not rewards or max(rewards) - min(rewards) == 0.0)
+    return flat / len(rewards_by_group)

@@ -139,6 +139,16 @@ def test_shared_memory_refuses_bad_checksums_versions_and_handles(stub, model, w
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, how
         assert bad_fields(caught.value) == [field], how
         assert version_of(stub, model) == 0, how
+    poisoned = perturbed(weights)
+    name = next(iter(poisoned))
+    poisoned[name] = poisoned[name].clone()
+    poisoned[name].view(-1)[0] = float("nan")
+    request, shared = shared_request(model, 1, poisoned)  # its checksums are right: the bytes hold a NaN
+    with pytest.raises(grpc.RpcError) as caught:
+        commit(stub, request)
+    shared.close()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(caught.value) == ["tensors[0]"]
+    assert version_of(stub, model) == 0
     assert tokens(stub.Generate(first_turn_request(model), timeout=60)) == before
     assert not ours_in(Path("/dev/shm"))
 

@@ -20,7 +20,7 @@ This package never imports a service package (`svc_*`).
 
 from leap.learning.checkpoint import CheckpointInfo, latest_checkpoint, list_checkpoints
 from leap.learning.distributed import World, current_world, release_followers
-from leap.learning.learner import Learner, LearnerSettings, Normalizer, follow
+from leap.learning.learner import Learner, LearnerSettings, NonFiniteError, Normalizer, follow
 from leap.learning.model import check_model_dir, load_model, load_tokenizer, token_logprobs
 from leap.learning.optim import OptimizerSettings, Schedule
 from leap.learning.sequences import Batch, Sequence, collate, micro_batches, shard, with_values
@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointInfo",
     "Learner",
     "LearnerSettings",
+    "NonFiniteError",
     "Normalizer",
     "OptimizerSettings",
     "Schedule",

@@ -21,13 +21,24 @@ resume from the last checkpoint (the metric log is rewound to it, so no step is 
 twice), pages of runs newest first, a replayable event log with live followers, and
 recovery after a restart (runs that were RUNNING become FAILED with the cause and, with
 `auto_resume`, continue from their last checkpoint).
+
+One run owns its output directory. `start` claims it with an owner file (`.leap-run`,
+created exclusively, naming the run) and refuses a directory that another run owns, that
+holds an older run's checkpoints or events, or that another process is training in
+(`OutputDirTaken`). While its job runs, the worker holds an exclusive `flock` on
+`.leap-run.lock` in the directory; the kernel drops it when the process dies, however it
+dies, so a killed trainer never leaves the directory locked, and two processes (two
+services on one runs directory, or one started twice) never train the same run at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import threading
@@ -49,6 +60,9 @@ ACTIVE = (PENDING, RUNNING, STOPPING)
 TERMINAL = (STOPPED, SUCCEEDED, FAILED)
 RESUMABLE = (STOPPED, FAILED)
 RUN_FILE = "run.json"
+OWNER_FILE = ".leap-run"  # in a run's output directory: the id of the run that owns it
+LOCK_FILE = ".leap-run.lock"  # flock-ed by the process training the run, for as long as it does
+RUN_DATA = ("checkpoints", "events.jsonl")  # what a directory that held a run has
 
 log = get_logger("leap.runs")
 
@@ -75,6 +89,85 @@ class RequestConflict(Exception):
 
 class RunFailure(Exception):
     """A job's failure whose message is already what a person should read (no type prefix)."""
+
+
+class OutputDirTaken(RunStateError):
+    """Another run owns the output directory, or another process is training in it."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "OUTPUT_DIR_IN_USE")
+
+
+class DirLock:
+    """An exclusive `flock` on `<directory>/.leap-run.lock`, held by this process until
+    `release` (or its death: the kernel drops it). The lock file holds the holder's pid, for
+    messages only."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> DirLock:
+        """Take the lock, or `OutputDirTaken` naming the process that holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise OutputDirTaken(f"output_dir {str(self.path.parent)!r} is in use: process {holder_of(self.path)} is "
+                                 "training a run in it; choose another directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
+def holder_of(lock_file: Path) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        return str(int(lock_file.read_text().strip()))
+    return "(unknown)"
+
+
+def claim_output_dir(directory: str | os.PathLike, run_id: str) -> None:
+    """Make `directory` the output directory of `run_id` (creating it), or `OutputDirTaken`
+    when another run owns it, an older run left its data there, or a process trains in it."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    owner = path / OWNER_FILE
+    try:
+        fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        other = owner.read_text().strip() or "(being claimed)"
+        if other != run_id:
+            raise OutputDirTaken(f"output_dir {str(path)!r} belongs to run {other} (its checkpoints and events are "
+                                 f"there; {OWNER_FILE} names it): choose another directory, or resume run {other}") from None
+        return
+    try:
+        leftovers = [name for name in RUN_DATA if (path / name).exists()]
+        if leftovers:
+            raise OutputDirTaken(f"output_dir {str(path)!r} holds {' and '.join(leftovers)} of an earlier run: a new "
+                                 "run there would resume from them or mix its events with theirs; choose an empty "
+                                 "directory")
+        probe = DirLock(path).acquire()  # a process of an older version training there without an owner file
+        probe.release()
+        os.write(fd, f"{run_id}\n".encode())
+    except BaseException:
+        os.close(fd)
+        fd = -1
+        with contextlib.suppress(OSError):
+            owner.unlink()
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 @dataclasses.dataclass
@@ -251,8 +344,14 @@ class RunRegistry:
             record = RunRecord(run_id=run_id, request_id=request_id, config=config, fingerprint=fingerprint,
                                total_steps=total_steps, output_dir=output_dir or str(self.root / run_id),
                                display_name=display_name)
+            mine = Path(record.output_dir).resolve()
+            for other in self._records.values():
+                if Path(other.output_dir).resolve() == mine:
+                    raise OutputDirTaken(f"output_dir {record.output_dir!r} belongs to run {other.run_id} "
+                                         f"({state_name(other.state)}): choose another directory, or resume run "
+                                         f"{other.run_id}")
+            claim_output_dir(record.output_dir, run_id)
             (self.root / run_id).mkdir(parents=True, exist_ok=True)
-            Path(record.output_dir).mkdir(parents=True, exist_ok=True)
             self._records[run_id] = record
             self._by_request[request_id] = run_id
             self._transition(record, PENDING, "accepted")
@@ -442,13 +541,17 @@ class RunRegistry:
     def _work(self, run_id: str) -> None:
         """A worker thread: run the job, then record how it ended."""
         error = ""
+        lock = DirLock(self.get(run_id).output_dir)
         try:
+            lock.acquire()  # held while the job runs: no other process trains in this directory meanwhile
             context = RunContext(self, run_id)
             job = self.job_factory(self.get(run_id))
             job(context)
         except BaseException as err:  # noqa: BLE001 - every failure of a job is the run's failure
-            error = str(err) if isinstance(err, RunFailure) else f"{type(err).__name__}: {err}"
+            error = str(err) if isinstance(err, (RunFailure, OutputDirTaken)) else f"{type(err).__name__}: {err}"
             log.exception("run failed", run_id=run_id)
+        finally:
+            lock.release()
         with self._lock:
             record = self._records[run_id]
             self._workers.pop(run_id, None)

@@ -131,3 +131,8 @@ def violated_fields(error: grpc.RpcError) -> list[str]:
     """Client side: the fields a failed call's `BadRequest` names (empty when it has none)."""
     return [violation.field for detail in details_of(error) if isinstance(detail, error_details_pb2.BadRequest)
             for violation in detail.field_violations]
+
+
+def error_reasons(error: grpc.RpcError) -> list[str]:
+    """Client side: the `ErrorInfo` reasons of a failed call (empty when it has none)."""
+    return [detail.reason for detail in details_of(error) if isinstance(detail, error_details_pb2.ErrorInfo)]
