@@ -5,7 +5,7 @@ then applies them exactly as it applies a stream's (atomically, once nothing sta
 old weights is running), so the commit semantics are one for every transport.
 
 - `HostProbe`: a file with random bytes in the shared-memory directory; a client that reads
-  them back shares this host's /dev/shm.
+  them back shares this host's /dev/shm (a dead service's probe is removed by the next one).
 - `read_shared`: opens a learner's shared-memory object by name (refusing names that are not
   weight objects, objects others could have written, sizes and tables that do not add up),
   checks every tensor's CRC-32 and returns views of the mapping, which the backend copies
@@ -47,8 +47,9 @@ class HostProbe:
         self.directory = Path(directory)
         self.nonce = secrets.token_bytes(32)
         self.path: Path | None = None
+        self.sweep()
         try:
-            path = self.directory / f"leap-probe-{secrets.token_hex(8)}"
+            path = self.directory / f"leap-probe-{os.getpid()}-{secrets.token_hex(8)}"
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "wb") as out:
                 out.write(self.nonce)
@@ -60,6 +61,18 @@ class HostProbe:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+
+    def sweep(self) -> None:
+        """Remove the probes of services that died without closing theirs (SIGKILL)."""
+        for path in self.directory.glob("leap-probe-*-*"):
+            try:
+                pid = int(path.name.split("-")[2])
+                if path.stat().st_uid == os.geteuid():
+                    os.kill(pid, 0)
+            except ProcessLookupError:
+                path.unlink(missing_ok=True)
+            except (OSError, ValueError):
+                continue
 
 
 class SharedMappings:
