@@ -16,6 +16,7 @@ from leap.distill.v1 import distill_pb2
 from leap.learning import check_model_dir
 from leap.learning.run_config import (
     fill_lora, fill_optimizer, fill_sampling, lora_violations, model_name_problem, optimizer_violations,
+    report_to_violations,
     sampling_violations,
 )
 from leap.runtime import Violations
@@ -91,6 +92,7 @@ def violations(config: distill_pb2.DistillConfig, prefix: str = "config.") -> Vi
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
     lora_violations(config.lora, prefix + "lora.", v)
+    report_to_violations(config.report_to, prefix + "report_to", v)
     check(config.objective in Objective.values(), "objective", f"unknown objective {config.objective}")
     if config.HasField("reliability_threshold"):
         check(0 <= config.reliability_threshold <= 1, "reliability_threshold",

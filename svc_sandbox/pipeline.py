@@ -35,7 +35,7 @@ from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
 from svc_sandbox import checking, static_check, toolchains
 from svc_sandbox.compile_cache import CompileCache, cache_key
-from svc_sandbox.isolation import ExitInfo, Limits, RunHandle, SandboxUnavailable, Zygote, classify
+from svc_sandbox.isolation import ExitInfo, Limits, RunHandle, SandboxUnavailable, Zygote, classify, read_job_file
 from svc_sandbox.references import ReferenceStore, TrialData
 from svc_sandbox.telemetry import Telemetry
 from svc_sandbox.wire import WireError, WireTimeout, recv_frame, send_frame
@@ -865,11 +865,7 @@ def _floats(values: Any) -> list[float]:
 
 
 def _read(path: Path) -> str:
-    try:
-        with open(path, "rb") as file:
-            return file.read(1 << 20).decode(errors="replace")
-    except OSError:
-        return ""
+    return read_job_file(path)  # never follows a link the candidate left there
 
 
 def _first_error(log: str) -> str:

@@ -12,6 +12,7 @@ from leap.common.v1 import common_pb2
 from leap.learning import check_model_dir
 from leap.learning.run_config import (
     fill_lora, fill_optimizer, fill_sampling, finite, lora_violations, model_name_problem, optimizer_violations,
+    report_to_violations,
     sampling_violations,
 )
 from leap.reward.v1 import reward_pb2
@@ -119,6 +120,7 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
     lora_violations(config.lora, prefix + "lora.", v)
+    report_to_violations(config.report_to, prefix + "report_to", v)
     loss = config.loss
     if loss.HasField("clip_low"):
         check(0 <= loss.clip_low < 1, "loss.clip_low", f"must be in [0, 1), got {loss.clip_low!r}")

@@ -702,7 +702,7 @@ class TrainingJob:
                  for group, result in zip(groups, ranked.results)
                  for episode, trajectory in zip(group.episodes, result.trajectories)]
         kl = self.config.loss.kl_beta > 0
-        kept = [(seq, sampler) for seq, sampler in built if kl or batching.carries_signal(seq)]
+        kept, normalizer = batching.learning_batch(built, kl)
         values = {"sequences/rolled_out": float(len(built)), "sequences/trained": float(len(kept))}
         if not kept:  # every group tied: no gradient this step
             return values | {"time/learn_s": time.perf_counter() - started}
@@ -716,7 +716,7 @@ class TrainingJob:
         if staleness > 0:  # off-policy: correct with the sampler's logprobs
             columns["sampler_logprobs"] = [sampler for _, sampler in kept]
             loss = dataclasses.replace(loss, importance_cap=self.importance_cap())
-        stats = learner.train_step(with_values(sequences, **columns), GrpoObjective(loss))
+        stats = learner.train_step(with_values(sequences, **columns), GrpoObjective(loss), normalizer=normalizer)
         values.update({k: v for k, v in stats.items() if k != "seconds"})
         values["tokens/trained"] = values.pop("tokens", 0.0)
         values["time/learn_s"] = time.perf_counter() - started

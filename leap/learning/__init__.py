@@ -10,6 +10,7 @@
   `follow`, the loop of a follower rank (learner.py);
 - checkpoints on disk: `CheckpointInfo`, `list_checkpoints`, `latest_checkpoint` (checkpoint.py);
 - `MetricsLog`, `plot_metrics`: JSONL, TensorBoard and PNG curves (metrics.py);
+- experiment trackers beside the metric log: MLflow, W&B, trackio (reporters.py);
 - `RunRegistry`, `RunRecord`, `RunContext`: runs as persisted resources (registry.py), and
   `RunApi`, the run RPCs of a learner service over a registry (run_api.py);
 - `combine_stats`: loss statistics over micro-batches and ranks (stats.py);

@@ -75,6 +75,14 @@ class Normalizer:
     tokens: float  # loss tokens
     sequences: float  # sequences with at least one loss token
 
+    @classmethod
+    def of(cls, sequences: SequenceOf[Sequence]) -> Normalizer:
+        """The counts of `sequences`. A caller that leaves sequences out of the forward pass
+        because they carry no gradient (the trainer's zero-advantage ones) passes the counts
+        of the batch *before* it dropped them, so the loss keeps the scale of the whole batch."""
+        return cls(tokens=float(sum(s.loss_tokens for s in sequences)),
+                   sequences=float(sum(1 for s in sequences if s.loss_tokens > 0)))
+
 
 LossFn = Callable[[torch.Tensor, Batch, Normalizer, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, Any]]]
 
@@ -234,17 +242,15 @@ class Learner:
         return [merged[i] for i in range(len(sequences))]
 
     @collective
-    def train_step(self, sequences: SequenceOf[Sequence], loss_fn: LossFn, *, epochs: int | None = None) -> dict[str, float] | None:
+    def train_step(self, sequences: SequenceOf[Sequence], loss_fn: LossFn, *, epochs: int | None = None,
+                   normalizer: Normalizer | None = None) -> dict[str, float] | None:
         """`epochs` optimizer updates (default: settings.optimizer.epochs_per_batch) over the
-        whole batch, each accumulating gradients over micro-batches. Returns the combined
-        statistics on rank 0 (None elsewhere): the loss's own, plus grad_norm, lr, updates,
-        micro_batches and seconds."""
+        whole batch, each accumulating gradients over micro-batches. `normalizer` defaults to
+        the counts of `sequences` (`Normalizer.of`). Returns the combined statistics on rank 0
+        (None elsewhere): the loss's own, plus grad_norm, lr, updates, micro_batches and seconds."""
         started = time.perf_counter()
         epochs = epochs or self.settings.optimizer.epochs_per_batch
-        normalizer = Normalizer(
-            tokens=float(sum(s.loss_tokens for s in sequences)),
-            sequences=float(sum(1 for s in sequences if s.loss_tokens > 0)),
-        )
+        normalizer = normalizer or Normalizer.of(sequences)
         plan = self._plan(sequences)
         passes: list[dict[str, float]] = []
         norms: list[float] = []

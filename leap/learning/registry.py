@@ -51,6 +51,7 @@ from typing import Any
 from leap.common.v1 import common_pb2
 from leap.learning import checkpoint as ckpt
 from leap.learning.metrics import MetricsLog
+from leap.learning.reporters import TrackedRun, open_reporters
 from leap.runtime.logging import get_logger
 
 RunState = common_pb2.RunState
@@ -191,6 +192,7 @@ class RunRecord:
     attempts: int = 0  # times a worker started it (1 + resumes)
     resume_on_start: bool = False  # stopped by a service shutdown: continue at the next start
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job's own JSON state
+    report_to: list[str] = dataclasses.field(default_factory=list)  # experiment trackers (leap.learning.reporters)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunRecord:
@@ -252,8 +254,9 @@ class RunRegistry:
     """See the module docstring. Methods are thread-safe; `events` is async."""
 
     def __init__(self, root: str | os.PathLike, job_factory: JobFactory, *, max_concurrent: int = 1,
-                 auto_resume: bool = True, tensorboard: bool = True):
+                 auto_resume: bool = True, tensorboard: bool = True, service: str = ""):
         self.root = Path(root)
+        self.service = service  # the service's name, a tag of tracker runs
         self.job_factory = job_factory
         self.max_concurrent = max(1, max_concurrent)
         self.auto_resume = auto_resume
@@ -330,7 +333,8 @@ class RunRegistry:
             return self._copy(self._records[run_id]) if run_id else None
 
     def start(self, request_id: str, config: dict[str, Any], fingerprint: str, total_steps: int, *,
-              output_dir: str = "", display_name: str = "") -> tuple[RunRecord, bool]:
+              output_dir: str = "", display_name: str = "", report_to: list[str] | tuple[str, ...] = ()
+              ) -> tuple[RunRecord, bool]:
         """Create and queue a run; (record, created). The same request id returns the same run;
         with a different fingerprint it is a `RequestConflict`."""
         with self._lock:
@@ -343,7 +347,7 @@ class RunRegistry:
             run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             record = RunRecord(run_id=run_id, request_id=request_id, config=config, fingerprint=fingerprint,
                                total_steps=total_steps, output_dir=output_dir or str(self.root / run_id),
-                               display_name=display_name)
+                               display_name=display_name, report_to=list(report_to))
             mine = Path(record.output_dir).resolve()
             for other in self._records.values():
                 if Path(other.output_dir).resolve() == mine:
@@ -539,33 +543,45 @@ class RunRegistry:
             thread.start()
 
     def _work(self, run_id: str) -> None:
-        """A worker thread: run the job, then record how it ended."""
+        """A worker thread: open the run's trackers, run the job, then record how it ended."""
         error = ""
+        metrics = self.metrics_log(run_id)
         lock = DirLock(self.get(run_id).output_dir)
         try:
             lock.acquire()  # held while the job runs: no other process trains in this directory meanwhile
             context = RunContext(self, run_id)
-            job = self.job_factory(self.get(run_id))
+            record = self.get(run_id)
+            if record.report_to:
+                metrics.attach(open_reporters(record.report_to, TrackedRun(
+                    run_id=run_id, display_name=record.display_name, config=record.config,
+                    output_dir=Path(record.output_dir), runs_dir=self.root, service=self.service)))
+            job = self.job_factory(record)
             job(context)
         except BaseException as err:  # noqa: BLE001 - every failure of a job is the run's failure
             error = str(err) if isinstance(err, (RunFailure, OutputDirTaken)) else f"{type(err).__name__}: {err}"
             log.exception("run failed", run_id=run_id)
+        with self._lock:
+            record = self._records[run_id]
+            if error:
+                record.error, state, message = error, FAILED, f"failed: {error}"
+            elif self._stop_flags[run_id].is_set() and record.step < record.total_steps:
+                state, message = STOPPED, (f"stopped at step {record.step}"
+                                           + ("; resumes at the next service start" if record.resume_on_start else ""))
+            elif record.step >= record.total_steps:
+                state, message = SUCCEEDED, f"finished {record.step} steps"
+            else:
+                record.error = f"the job returned at step {record.step} of {record.total_steps} without a stop request"
+                state, message = FAILED, record.error
+        # The trackers get the plots and the end state before the run is seen to end, so a
+        # client that waits for the end finds the tracker run complete; outside the registry's
+        # lock, as they may upload files, and while the run's directory is still this process's.
+        try:
+            metrics.detach(state_name(state))
         finally:
             lock.release()
         with self._lock:
-            record = self._records[run_id]
             self._workers.pop(run_id, None)
-            if error:
-                record.error = error
-                self._transition(record, FAILED, f"failed: {error}")
-            elif self._stop_flags[run_id].is_set() and record.step < record.total_steps:
-                self._transition(record, STOPPED, f"stopped at step {record.step}"
-                                 + ("; resumes at the next service start" if record.resume_on_start else ""))
-            elif record.step >= record.total_steps:
-                self._transition(record, SUCCEEDED, f"finished {record.step} steps")
-            else:
-                record.error = f"the job returned at step {record.step} of {record.total_steps} without a stop request"
-                self._transition(record, FAILED, record.error)
+            self._transition(record, state, message)
             self._schedule()
 
 

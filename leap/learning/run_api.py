@@ -142,7 +142,8 @@ class RunApi:
 
     def make_registry(self, settings: RunServiceConfig) -> RunRegistry:
         return RunRegistry(settings.runs_dir, self.make_job, max_concurrent=settings.max_concurrent_runs,
-                           auto_resume=settings.auto_resume, tensorboard=settings.tensorboard)
+                           auto_resume=settings.auto_resume, tensorboard=settings.tensorboard,
+                           service=self.messages.DESCRIPTOR.package.split(".")[1])
 
     async def start(self) -> None:
         """Load the persisted runs (the service's on_start)."""
@@ -215,7 +216,8 @@ class RunApi:
         try:
             record, _ = self.registry.start(
                 request.request_id, config_to_json(config), fingerprint, total_steps,
-                output_dir=getattr(config, "output_dir", ""), display_name=getattr(config, "display_name", ""))
+                output_dir=getattr(config, "output_dir", ""), display_name=getattr(config, "display_name", ""),
+                report_to=list(getattr(config, "report_to", ())))
         except RequestConflict as err:
             raise failed_precondition(str(err), "REQUEST_ID_REUSED") from None
         except OutputDirTaken as err:

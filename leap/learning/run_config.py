@@ -1,6 +1,6 @@
 """Defaults and checks of the config messages every learner's run shares
-(`leap.common.v1.RolloutSampling`, `OptimizerConfig` and `LoraConfig`), so the trainer and the distiller
-fill and refuse them alike. Pure functions over the messages; field paths are given a prefix
+(`leap.common.v1.RolloutSampling`, `OptimizerConfig` and `LoraConfig`, and the `report_to`
+trackers), so the trainer and the distiller fill and refuse them alike. Pure functions over the messages; field paths are given a prefix
 such as "config.sampling.".
 """
 
@@ -11,6 +11,7 @@ import re
 
 from leap.common.v1 import common_pb2
 from leap.learning.optim import SCHEDULES, OptimizerSettings
+from leap.learning.reporters import report_to_violations  # noqa: F401 - one place for a run config's checks
 from leap.runtime import Violations
 
 DEFAULT_TEMPERATURE = 1.0

@@ -20,6 +20,11 @@ from grpc_status import rpc_status
 ERROR_DOMAIN = "leap.dev"
 
 
+class StartupError(Exception):
+    """A service cannot start as configured (one line, for the operator: what is missing and
+    which setting changes it). `leap serve` prints it and exits non-zero."""
+
+
 class ServiceError(Exception):
     """An error meant for the client: a status code, a message and rich details."""
 

@@ -229,6 +229,7 @@ class RunConfig(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _builtins.int
     IMPORTANCE_CAP_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
+    REPORT_TO_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Local Hugging Face model directory of the initial policy. Required."""
     policy_model: _builtins.str
@@ -320,6 +321,18 @@ class RunConfig(_message.Message):
     def lora(self) -> _common_pb2.LoraConfig:
         """Train LoRA adapters (PEFT) instead of every weight, and push only them. Default: off."""
 
+    @_builtins.property
+    def report_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Experiment trackers that also get the run's metrics (the "train" and "eval" values, as
+        "<kind>/<name>" at their step), its config and, when it ends, its plots and end state,
+        besides events.jsonl, TensorBoard and metrics.png: any of "mlflow", "wandb", "trackio".
+        Each is an optional extra of the service's installation (pip install
+        'leap-suite[mlflow]'); StartRun refuses one that is not installed. Empty: none. Local
+        without an account by default: MLflow's file store in the service's runs directory (or
+        MLFLOW_TRACKING_URI), W&B offline (online with WANDB_API_KEY or WANDB_MODE), trackio's
+        local store; see leap/learning/reporters.py.
+        """
+
     def __init__(
         self,
         *,
@@ -352,10 +365,11 @@ class RunConfig(_message.Message):
         max_staleness: _builtins.int = ...,
         importance_cap: _builtins.float | None = ...,
         lora: _common_pb2.LoraConfig | None = ...,
+        report_to: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "gate", b"gate", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__importance_cap: _TypeAlias = _typing.Literal["importance_cap"]  # noqa: Y015
     _WhichOneofArgType__importance_cap: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap"]  # noqa: Y015
