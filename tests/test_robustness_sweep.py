@@ -52,9 +52,11 @@ MiB = 1024 * 1024
 RSS_SLACK = 400 * MiB  # growth of a service's resident memory allowed over the whole sweep
 LONG = 600  # "long repeated field": above every per-request count limit (max_batch 512, ...)
 
-# The RPCs that change what a service serves. They never see the loaded model's name, so
-# fuzzing cannot unload it or replace its weights; everything else may use real names.
-MUTATING = {("policy", "UnloadModel"), ("policy", "UpdateWeights"), ("policy", "ReloadWeights")}
+# The RPCs that change what a service serves (or open a weight group that waits for a
+# learner). They never see the loaded model's name, so fuzzing cannot unload it or replace
+# its weights; everything else may use real names.
+MUTATING = {("policy", "UnloadModel"), ("policy", "UpdateWeights"), ("policy", "ReloadWeights"),
+            ("policy", "OpenWeightGroup"), ("policy", "CommitWeights")}
 
 # Findings of the sweep that belong to another area of #15 (its item 5, per-service
 # validation), as strict xfails naming the owner: each turns into a failure once fixed, so the
@@ -120,7 +122,8 @@ def service_args(name: str, tmp: Path, model_dir: Path) -> list[str]:
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     common = ["--drain-seconds", "0", "--grace-seconds", "2", "--log-level", "warning"]
     if name == "policy":
-        return [*common, "--models", f"policy={model_dir}", "--torch-threads", "1"]
+        return [*common, "--models", f"policy={model_dir}", "--torch-threads", "1", "--weight-group-timeout-seconds",
+                "2", "--shm-dir", str(tmp)]
     if name == "sandbox":
         args = [*common, "--workers", "1", "--cache-dir", str(tmp / "sandbox-cache")]
         if "LEAP_TEST_SANDBOX_UID" in os.environ:  # as tests/sandbox_helpers.py: away from older sandboxes

@@ -680,3 +680,23 @@ def test_the_non_finite_prefilter_never_skips_a_non_finite_float():
     group = reward_pb2.RankGroup(task_id="ok", trajectories=[reward_pb2.Trajectory(turns=[
         reward_pb2.TurnResult(stage=5, speedup=1.0 + i / 7, generated_tokens=100 + i)]) for i in range(200)])
     assert MAYBE_NON_FINITE.search(reward_pb2.RankRequest(groups=[group]).SerializeToString()) is None
+
+
+@pytest.mark.parametrize("name", ["policy", "sandbox", "reward", "trainer", "distill"])
+def test_every_rpc_of_every_service_has_its_own_request_limit(name, tmp_path):
+    """Each service's Registration names a request limit for every RPC of its contract (an
+    RPC left out would get the 4 MiB default, too much for an id and too little for a
+    batch)."""
+    import dataclasses
+
+    from google.protobuf import descriptor_pool
+
+    from leap.commands import service_spec
+
+    spec = service_spec(name)
+    fields = {f.name for f in dataclasses.fields(spec.config_class)}
+    paths = {key: str(tmp_path / key) for key in ("history_path", "runs_dir", "cache_dir", "work_dir") if key in fields}
+    service = spec.build(spec.config_class(port=free_port(), **paths))
+    for registration in service.registrations:
+        methods = {m.name for m in descriptor_pool.Default().FindServiceByName(registration.service_name).methods}
+        assert set(registration.request_limits) == methods, registration.service_name
