@@ -695,8 +695,11 @@ def test_every_rpc_of_every_service_has_its_own_request_limit(name, tmp_path):
 
     spec = service_spec(name)
     fields = {f.name for f in dataclasses.fields(spec.config_class)}
-    paths = {key: str(tmp_path / key) for key in ("history_path", "runs_dir", "cache_dir", "work_dir") if key in fields}
-    service = spec.build(spec.config_class(port=free_port(), **paths))
+    settings: dict = {key: str(tmp_path / key) for key in ("history_path", "runs_dir", "cache_dir", "work_dir")
+                      if key in fields}
+    if "keep_freed_memory" in fields:
+        settings["keep_freed_memory"] = False  # process-wide malloc settings: not in the test process
+    service = spec.build(spec.config_class(port=free_port(), **settings))
     for registration in service.registrations:
         methods = {m.name for m in descriptor_pool.Default().FindServiceByName(registration.service_name).methods}
         assert set(registration.request_limits) == methods, registration.service_name
