@@ -236,10 +236,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             v.check(lora.rank > 0, "lora.rank", "must be positive (0: no adapter)")
             v.check(not lora.HasField("alpha") or lora.alpha > 0, "lora.alpha", "must be above 0")
             v.check(all(t.strip() for t in lora.target_modules), "lora.target_modules", "must not hold an empty name")
-            shape = LoraSettings.from_proto(lora) if lora.rank > 0 else None
         elif lora is not None:
             v.check(lora.rank == 0 and not lora.target_modules, "lora.rank", "is required (at least 1) with target_modules")
         v.raise_if_any()
+        if lora is not None and lora.rank > 0:
+            try:  # only once the fields above hold: LoraSettings raises on what they name
+                shape = LoraSettings.from_proto(lora)
+            except ValueError as err:
+                raise invalid_argument("lora", str(err)) from None
         backend = backend or BACKEND_NAMES.get(self.config.backend, Backend.BACKEND_HF)
         if shape is not None and backend == Backend.BACKEND_VLLM:
             raise failed_precondition("LoRA adapters are served by the hf backend only for now (vLLM's LoRA API is not "
