@@ -86,7 +86,7 @@ def unique(code: str) -> str:
 
 def compile_stage(sandbox: Sandbox, code: str, runs: int) -> list[float]:
     """Seconds of the compile stage alone (the evaluator's own code path, in this process)."""
-    from svc_sandbox.pipeline import resolve
+    from svc_sandbox.evaluator import resolve
 
     evaluator = sandbox.servicer.evaluator
     zygote = sandbox.servicer.pool.zygotes[0]
@@ -96,9 +96,9 @@ def compile_stage(sandbox: Sandbox, code: str, runs: int) -> list[float]:
     seconds = []
     for _ in range(runs):
         verdict = sandbox_pb2.Verdict()
-        with evaluator._job_dir(zygote) as cwd:
+        with evaluator.job_dir(zygote) as cwd:
             started = time.perf_counter()
-            assert evaluator._compile(request, code, verdict, zygote, cwd) is not None, verdict.compile.log
+            assert evaluator.toolchains[CPU].compile(request, code, verdict, zygote, cwd) is not None, verdict.compile.log
             seconds.append(time.perf_counter() - started)
     return seconds
 

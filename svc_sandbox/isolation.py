@@ -344,6 +344,11 @@ def zygote_main(ctl_fd: int) -> None:
             continue
         if op == "kill":  # for a job that already ended: nothing to do
             continue
+        if op == "session":  # a measured session: timer.py forks its processes and keeps the clock
+            from svc_sandbox import timer
+
+            timer.serve(ctl, message, fds, identity)
+            continue
         if op not in ("exec", "run"):
             send_packet(ctl, {"error": f"unknown op {op!r}"})
             continue
@@ -490,6 +495,30 @@ class Zygote:
             yield handle
         finally:
             handle.finish()
+
+    @contextlib.contextmanager
+    def session(self, candidate: dict[str, Any], reference: dict[str, Any] | None, memfds: list[int]):
+        """Start a measured session (timer.py): the candidate's harness and, when given, a
+        reference process, each a job like `run`'s ({"spec", "cwd", "env", "limits", "log",
+        "drop_privileges"}), with the memfds of their regions (the candidate's first). Yields
+        the timer.SessionLink that commands it; the session is ended on the way out."""
+        from svc_sandbox.timer import SessionLink
+
+        self.ensure()
+        assert self.ctl is not None
+        try:
+            send_packet(self.ctl, {"op": "session", "candidate": candidate, "reference": reference}, memfds)
+            reply, _ = recv_packet(self.ctl, timeout=60)
+        except WireError as err:
+            self.close()
+            raise SandboxUnavailable(f"sandbox worker {self.slot} failed: {err}") from None
+        if "pids" not in reply:
+            raise SandboxUnavailable(f"sandbox worker {self.slot}: {reply.get('error', reply)}")
+        link = SessionLink(self, reply["pids"])
+        try:
+            yield link
+        finally:
+            link.end()
 
     def close(self) -> None:
         if self.ctl is not None:
