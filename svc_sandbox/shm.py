@@ -145,11 +145,17 @@ class Region:
         tensor = self.layout.tensors[index]
         return np.frombuffer(self.map, dtype=np.uint8, count=tensor.nbytes, offset=self.layout.offset(slot, index))
 
-    def fill(self, slots: Iterable[int], indexes: Iterable[int], byte: int) -> None:
+    def fill(self, slots: Iterable[int], indexes: Iterable[int], byte: int, chunk: int = 4 << 20) -> None:
+        """Set every byte of these tensors, a chunk at a time, dropping each chunk from this
+        mapping once written (the data stays in the memfd)."""
         indexes = list(indexes)
         for slot in slots:
             for index in indexes:
-                self.raw(slot, index).fill(byte)
+                raw = self.raw(slot, index)
+                for start in range(0, raw.size, chunk):
+                    raw[start:start + chunk].fill(byte)
+                    if raw.size > chunk:
+                        self.release(slot, index, start, min(start + chunk, raw.size))
 
     def write(self, slot: int, index: int, array: np.ndarray) -> None:
         tensor = self.layout.tensors[index]

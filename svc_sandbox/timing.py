@@ -25,12 +25,18 @@ import statistics
 from collections.abc import Sequence
 
 
-def calls_per_run(seconds_per_call: float, target_seconds: float, most: int) -> int:
-    """Calls in one timed run so that it lasts about `target_seconds` (the fixed cost of
-    starting and stopping a run, tens of microseconds, then hardly counts), within [1, most]."""
+def calls_per_run(seconds_per_call: float, target_seconds: float, most: int, slower_per_call: float = 0.0,
+                  longest_seconds: float = math.inf) -> int:
+    """Calls in one timed run so that the faster side's run lasts about `target_seconds` (the
+    fixed cost of starting and stopping a run, tens of microseconds, then hardly counts),
+    within [1, most], and the slower side's (`slower_per_call` each) at most `longest_seconds`."""
     if seconds_per_call <= 0:
-        return max(1, most)
-    return max(1, min(most, math.ceil(target_seconds / seconds_per_call)))
+        calls = most
+    else:
+        calls = math.ceil(target_seconds / seconds_per_call)
+    if slower_per_call > 0 and math.isfinite(longest_seconds):
+        calls = min(calls, math.floor(longest_seconds / slower_per_call))
+    return max(1, min(most, calls))
 
 
 def order(pair: int, alternate: bool) -> tuple[str, str]:

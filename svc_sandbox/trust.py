@@ -347,7 +347,8 @@ class Measurement:
                timed: bool) -> bool:
         """Inputs unchanged (unless `inputs` is None: compared already) and outputs within
         tolerance in `slot`; else the verdict says why."""
-        if self.options.input_mutation and inputs is not None and not self._inputs_intact(slot, trial, inputs, timed):
+        if self.options.input_mutation and inputs is not None and \
+                not self._inputs_intact(slot, trial, inputs, timed, self.source.expected_in_reference):
             return False
         first = len(self.layout.inputs)
         for number, (tensor, want) in enumerate(zip(self.layout.outputs, expected)):
@@ -375,9 +376,17 @@ class Measurement:
 
         return release
 
-    def _inputs_intact(self, slot: int, trial: int, inputs: Sequence[np.ndarray], timed: bool) -> bool:
+    def _inputs_intact(self, slot: int, trial: int, inputs: Sequence[np.ndarray], timed: bool,
+                       in_reference: bool) -> bool:
+        """Every input of `slot` byte for byte as `inputs` (a view of the reference's region
+        when `in_reference`: its pages are dropped as they are compared, like the candidate's)."""
+        reference = self.reference if in_reference else None
         for index, (tensor, pristine) in enumerate(zip(self.layout.inputs, inputs)):
-            release = lambda s, e, i=index: self.candidate.release(slot, i, s, e)  # noqa: E731
+            def release(start: int, end: int, index: int = index) -> None:
+                self.candidate.release(slot, index, start, end)
+                if reference is not None:
+                    reference.release(slot, index, start, end)
+
             if not checking.same_bytes(self.candidate.raw(slot, index), pristine.reshape(-1).view(np.uint8),
                                        release=release):
                 verdicts.wrong(self.verdict, sandbox_pb2.Mismatch(output=tensor.name, trial=trial, reason="input mutated"),
@@ -433,8 +442,10 @@ class Measurement:
         calls = 1
         for warmup in range(options.warmup_runs):  # untimed for the verdict, checked like any run
             pair = self._pair(warmup, calls)
-            calls = timing.calls_per_run(min(pair.reference_seconds, pair.candidate_seconds), options.run_seconds,
-                                         self.layout.slots)
+            faster, slower = sorted((pair.reference_seconds, pair.candidate_seconds))
+            # the slower side's run keeps well inside its own time limit
+            calls = timing.calls_per_run(faster, options.run_seconds, self.layout.slots, slower,
+                                         options.run_timeout / 4)
         self.verdict.calls_per_run = calls
         pairs: list[Pair] = []
         started = time.monotonic()
@@ -464,7 +475,7 @@ class Measurement:
         trial = self.options.trials  # Mismatch.trial of the timed runs
         if self.options.input_mutation:
             for slot in range(calls):
-                if not self._inputs_intact(slot, trial, self.source.pristine(self, slot), timed=True):
+                if not self._inputs_intact(slot, trial, self.source.pristine(self, slot), timed=True, in_reference=True):
                     raise _Stop()
         for slot in sorted(self._random.sample(range(calls), min(calls, self.options.verify_per_run))):
             if not self._judge(slot, trial, None, self.source.expected(self, slot), timed=True):
