@@ -60,6 +60,7 @@ def test_a_missing_model_directory_is_refused(trainer, tmp_path):
     (dict(loss={"clip_low": 1.5}), "config.loss.clip_low", "[0, 1)"),
     (dict(mode=trainer_pb2.TRAIN_MODE_SINGLE, max_turns=3), "config.max_turns", "single-turn"),
     (dict(train_tasks=["relu"], eval_tasks=["relu"]), "config.eval_tasks", "held-out"),
+    (dict(flagged_verdicts=7), "config.flagged_verdicts", "unknown value 7"),
 ])
 def test_bad_fields_are_refused_with_the_field_named(trainer, model_dir, change, field, words):
     config = trainer_pb2.RunConfig(model_path=str(model_dir), **{"steps": 2, **change})
