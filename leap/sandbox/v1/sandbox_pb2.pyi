@@ -689,6 +689,7 @@ class Verdict(_message.Message):
     SPEEDUP_LOW_FIELD_NUMBER: _builtins.int
     SPEEDUP_HIGH_FIELD_NUMBER: _builtins.int
     CALLS_PER_RUN_FIELD_NUMBER: _builtins.int
+    TIMING_CLOCK_FIELD_NUMBER: _builtins.int
     candidate_id: _builtins.str
     """The candidate's label, echoed."""
     task_id: _builtins.str
@@ -737,6 +738,12 @@ class Verdict(_message.Message):
     calls_per_run: _builtins.int
     """Calls in each timed run, each on inputs of its own (as many as make a run last about the
     service's timing_run_seconds); 0 when not timed.
+    """
+    timing_clock: _builtins.str
+    """What the timings measure: "cpu", the CPU time of each process (every thread of it, as
+    the kernel accounts it), used with one thread per candidate on a CPU, where a busy
+    machine's wait for a core is left out; or "wall", the wall clock from the command to the
+    completed stop (GPUs, several threads). Empty when not timed.
     """
     @_builtins.property
     def compile(self) -> Global___CompileInfo:
@@ -791,10 +798,11 @@ class Verdict(_message.Message):
         speedup_low: _builtins.float = ...,
         speedup_high: _builtins.float = ...,
         calls_per_run: _builtins.int = ...,
+        timing_clock: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["candidate_timing", b"candidate_timing", "compile", b"compile", "mismatch", b"mismatch", "reference_timing", b"reference_timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_per_run", b"calls_per_run", "candidate_id", b"candidate_id", "candidate_timing", b"candidate_timing", "compile", b"compile", "device", b"device", "flags", b"flags", "message", b"message", "mismatch", b"mismatch", "reference_timing", b"reference_timing", "runtime_error", b"runtime_error", "size", b"size", "source_sha256", b"source_sha256", "speedup", b"speedup", "speedup_high", b"speedup_high", "speedup_low", b"speedup_low", "stage", b"stage", "task_id", b"task_id", "telemetry", b"telemetry", "toolchain", b"toolchain", "trials_passed", b"trials_passed", "trials_run", b"trials_run", "wall_seconds", b"wall_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_per_run", b"calls_per_run", "candidate_id", b"candidate_id", "candidate_timing", b"candidate_timing", "compile", b"compile", "device", b"device", "flags", b"flags", "message", b"message", "mismatch", b"mismatch", "reference_timing", b"reference_timing", "runtime_error", b"runtime_error", "size", b"size", "source_sha256", b"source_sha256", "speedup", b"speedup", "speedup_high", b"speedup_high", "speedup_low", b"speedup_low", "stage", b"stage", "task_id", b"task_id", "telemetry", b"telemetry", "timing_clock", b"timing_clock", "toolchain", b"toolchain", "trials_passed", b"trials_passed", "trials_run", b"trials_run", "wall_seconds", b"wall_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
