@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from svc_sandbox import shm
-from svc_sandbox.timer import COMPILE_ERROR, DONE, LOAD_ERROR, READY, RUN_ERROR, SHAPE_ERROR, STEP
+from svc_sandbox.timer import COMPILE_ERROR, DONE, LIMIT_TASKS, LOAD_ERROR, READY, RUN_ERROR, SHAPE_ERROR, STEP
 from svc_sandbox.wire import WireError, send_frame
 
 CUDA_MEMCPY_HOST_TO_DEVICE, CUDA_MEMCPY_DEVICE_TO_HOST = 1, 2
@@ -100,7 +100,10 @@ def session_main(sock: socket.socket, spec: dict[str, Any]) -> int:
             return 0  # the zygote closed the socket: the session is over
         code, first, count, seed = STEP.unpack(data)
         try:
-            runner.step(code, first, count, seed)
+            if code == LIMIT_TASKS:  # no process (nor thread) beyond these while timed: the zygote checks it took
+                resource.setrlimit(resource.RLIMIT_NPROC, (count, count))
+            else:
+                runner.step(code, first, count, seed)
         except Failed as failed:
             _log(str(failed))
             sock.send(failed.answer)

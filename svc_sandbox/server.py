@@ -109,14 +109,22 @@ class SandboxConfig(ServerConfig):
     timing_run_seconds: float = option(1e-3, "A timed run is a batch of calls, each on inputs of its own, that lasts "
                                              "about this long (the fixed cost of starting and stopping a run, tens of "
                                              "microseconds, then hardly counts), in seconds.")
+    timing_cpu_run_seconds: float = option(5e-4, "The same, for runs measured by CPU time (timing_clock): its "
+                                                   "fixed cost per run is a few microseconds of CPU, so a run may be "
+                                                   "shorter, in seconds.")
     timing_interval_width: float = option(0.10, "Pairs of timed runs are added until the speedup's 95% interval is at "
-                                                "most this wide relative to the speedup; wider at the end of the "
-                                                "budget is TIMING_UNRELIABLE.")
-    timing_max_runs: int = option(40, "Most timed runs of each of candidate and reference (the budget in runs).")
-    timing_budget_seconds: float = option(2.0, "Time the timed runs may take beyond the request's timing_trials (the "
+                                                "most this wide relative to the speedup, or the budget is spent.")
+    timing_unreliable_width: float = option(0.25, "An interval still wider than this (relative to the speedup) when the "
+                                                  "budget is spent makes the verdict TIMING_UNRELIABLE.")
+    timing_max_runs: int = option(20, "Most timed runs of each of candidate and reference (the budget in runs).")
+    timing_budget_seconds: float = option(0.5, "Time the timed runs may take beyond the request's timing_trials (the "
                                                "budget in seconds).")
     timing_verified_calls: int = option(2, "Calls of each timed run whose outputs are checked (chosen at random after "
                                            "the run); every call's inputs are checked.")
+    timing_clock: str = option("auto", "What timed runs are measured by: cpu (the CPU time of each process, every "
+                                       "thread of it: not inflated by waiting for a core on a busy machine), wall "
+                                       "(the wall clock) or auto (cpu with one thread per candidate, else wall). "
+                                       "GPU timings always use the wall clock.")
     session_memory_bytes: int = option(64 << 20, "Address space for the buffers of one candidate's timed calls (and as "
                                                  "much for the reference's), in bytes: bounds the calls in a timed run.")
     pin_workers: bool = option(True, "Pin each worker (its zygote, candidates and reference processes, and the "
@@ -128,6 +136,25 @@ class SandboxConfig(ServerConfig):
     reference_cache_bytes: int = option(1 << 30, "Memory for cached reference outputs, in bytes (least recently used "
                                                  "evicted).")
     telemetry_interval_ms: float = option(20.0, "NVML sampling interval while a candidate is timed, in milliseconds.")
+
+
+    def __post_init__(self) -> None:
+        # Checked when the settings are loaded, so a bad value stops `leap serve` with one line.
+        problems = []
+        for name in ("timing_run_seconds", "timing_cpu_run_seconds", "timing_budget_seconds", "timing_interval_width",
+                     "timing_unreliable_width"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                problems.append(f"{name}: must be a finite number > 0, got {value!r}")
+        for name in ("timing_max_runs", "timing_verified_calls"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.timing_clock not in ("auto", "cpu", "wall"):
+            problems.append(f"timing_clock: one of auto, cpu, wall, got {self.timing_clock!r}")
+        if self.session_memory_bytes < 1 << 20:
+            problems.append(f"session_memory_bytes: at least 1 MiB, got {self.session_memory_bytes}")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
@@ -165,9 +192,12 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             processes=config.process_limit, threads=threads, correctness_trials_cpu=config.correctness_trials_cpu,
             correctness_trials_gpu=config.correctness_trials_gpu, timing_trials=config.timing_trials,
             warmup_runs=config.warmup_runs, suspicious_speedup=config.suspicious_speedup,
-            timing_run_seconds=config.timing_run_seconds, timing_max_runs=config.timing_max_runs,
+            timing_run_seconds=config.timing_run_seconds, timing_cpu_run_seconds=config.timing_cpu_run_seconds,
+            timing_max_runs=config.timing_max_runs,
             timing_budget_seconds=config.timing_budget_seconds, timing_interval_width=config.timing_interval_width,
+            timing_unreliable_width=config.timing_unreliable_width,
             timing_verified_calls=config.timing_verified_calls, session_memory_bytes=config.session_memory_bytes,
+            timing_clock=config.timing_clock,
             max_log_bytes=config.max_log_bytes, precompiled_header=config.precompiled_header,
             kernelbench_device=config.kernelbench_device, task_dirs=tuple(config.task_dirs),
             telemetry_interval=config.telemetry_interval_ms / 1e3, uid_base=uid_base, slot_cores=slot_cores)

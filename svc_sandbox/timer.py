@@ -11,10 +11,13 @@ it executes the service's commands one at a time:
 - `step`: continue one child (SIGCONT to its process group), take the time, send it one
   fixed-size command (run calls on slots [first, first + count)), wait for its one-byte
   answer, stop its process group again (SIGSTOP) and wait until the stop is complete, take
-  the time. The figure reported is from just before the command to the completed stop, so
+  the time. Two figures, both from just before the command to the completed stop, so that
   whatever the child does before it is stopped (threads still finishing, an early "done")
-  is inside it. Between its steps a child is stopped: it cannot compute while the other one
-  is timed, nor touch its buffers while the service writes or reads them;
+  is inside them: the wall clock (`ns`) and the CPU time of the child's whole thread group
+  (`cpu_ns`, its POSIX process CPU clock, read by this process: dead threads included), which
+  does not count the time it waited for a core. Between its steps a child is stopped: it
+  cannot compute while the other one is timed, nor touch its buffers while the service
+  writes or reads them;
 - `guard`: before timing: kill every process of the candidate but its harness (anything it
   started), and where the candidate has a uid of its own, set its RLIMIT_NPROC to the tasks
   it has now (prlimit), so it can start no process (nor thread) while it is timed: a process
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import select
 import signal
 import socket
@@ -51,6 +53,7 @@ STEP = struct.Struct("!cxxxIIQ")  # command byte, first slot, count, seed
 ANSWER_BYTES = 64  # a longer answer is cut here (and is a protocol error anyway)
 PR_SET_DUMPABLE = 4
 READY, DONE, LOAD_ERROR, COMPILE_ERROR, RUN_ERROR, SHAPE_ERROR = b"R", b"D", b"L", b"C", b"E", b"S"
+LIMIT_TASKS = b"P"  # a command to the harness: lower your RLIMIT_NPROC to `count` (before it is timed)
 ANSWERS = {READY, DONE, LOAD_ERROR, COMPILE_ERROR, RUN_ERROR, SHAPE_ERROR}
 
 
@@ -304,6 +307,7 @@ class _Session:
         packet = STEP.pack(str(command["code"]).encode()[:1], int(command.get("first", 0)), int(command.get("count", 0)),
                            int(command.get("seed", 0)) & ((1 << 64) - 1))
         deadline = time.monotonic() + float(command["seconds"])
+        cpu = _cpu_ns(child.pid)
         child.signal_group(signal.SIGCONT)
         start = time.perf_counter_ns()
         try:
@@ -318,6 +322,9 @@ class _Session:
         stopped = time.perf_counter_ns()
         reply = self._answer(child, data)
         reply.update(ns=stopped - start, answer_ns=answered - start)
+        cpu_after = _cpu_ns(child.pid)
+        if cpu is not None and cpu_after is not None:
+            reply["cpu_ns"] = cpu_after - cpu
         if not child.alive:
             reply["ended"] = True
         elif command.get("guard") and child.name == "candidate" and not self.locked:
@@ -345,22 +352,36 @@ class _Session:
             if parent == me:  # an orphan reparented to this zygote: reap it (never waitpid(-1) here)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)
+        deadline = time.monotonic() + 5  # SIGKILL takes effect asynchronously: until each one is dead
+        while time.monotonic() < deadline and _strays(child.pid, {c.pid for c in self.children.values()}):
+            time.sleep(0.002)
         return len(strays)
 
     def _lock(self) -> bool:
-        """RLIMIT_NPROC of the candidate = the tasks its uid has now, when it has a uid of its
-        own (then the limit counts only its tasks); whether that was done."""
+        """When the candidate has a uid of its own (then RLIMIT_NPROC counts only its tasks):
+        have its harness lower its RLIMIT_NPROC, soft and hard, to the tasks it has now (a
+        limit cannot be raised again without privilege; setting another process's limit would
+        need CAP_SYS_RESOURCE, which a container's root lacks), then read the limit back from
+        /proc, which is the kernel's word, not the candidate's. Whether it is in force."""
         child = self.children["candidate"]
         if not child.alive or child.identity.get("uid") is None:
             return False
         try:
             with open(f"/proc/{child.pid}/status") as status:
                 threads = next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
-            resource.prlimit(child.pid, resource.RLIMIT_NPROC, (threads, threads))
         except (OSError, StopIteration, ValueError):
             return False
-        self.locked = True
-        return True
+        reply = self._step(child, {"code": LIMIT_TASKS.decode(), "count": threads, "seconds": 10})
+        if reply.get("answer") != "D" or not child.alive:
+            return False
+        try:
+            with open(f"/proc/{child.pid}/limits") as limits:
+                line = next(line for line in limits if line.startswith("Max processes"))
+            soft, hard = line.split()[2:4]
+        except (OSError, StopIteration, ValueError):
+            return False
+        self.locked = soft == hard == str(threads)
+        return self.locked
 
     def _end(self, killed: bool) -> dict[str, Any]:
         for child in self.children.values():
@@ -368,6 +389,16 @@ class _Session:
         for child in self.children.values():  # then whatever they left behind, daemons included
             _kill_everything(child.pid, child.identity)
         return {name: child.exit for name, child in self.children.items()}
+
+
+def _cpu_ns(pid: int) -> int | None:
+    """CPU time of a process's whole thread group so far, in ns (its POSIX CPU clock,
+    CPUCLOCK_SCHED: the scheduler's own accounting, exited threads included); None when it
+    cannot be read."""
+    try:
+        return time.clock_gettime_ns(((~pid) << 3) | 2)
+    except OSError:
+        return None
 
 
 def _strays(harness: int, ours: set[int]) -> list[tuple[int, int]]:

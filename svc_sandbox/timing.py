@@ -15,7 +15,8 @@ covers the median with at least that confidence (with fewer than 6 pairs no k re
 and the interval is [min, max]).
 
 Pairs are added until the interval's relative width (high - low) / speedup is at most the
-target, or a budget of pairs or seconds is spent; then a wide interval is TIMING_UNRELIABLE.
+target, or a budget of pairs or seconds is spent; then an interval wider than a second,
+looser bound is TIMING_UNRELIABLE.
 """
 
 from __future__ import annotations

@@ -25,9 +25,14 @@ verdict rests on is each of these, and nothing else:
 - A clock outside its address space: the zygote (timer.py), a single-threaded process with
   no candidate code that the candidate's uid cannot signal or trace, continues the
   candidate's process group, sends the command, waits for the answer and stops the group
-  again, timing from the command to the *completed* stop. While anything else happens (the
-  reference's run, the service writing or reading buffers) the candidate is stopped: its
-  threads cannot slow the reference, compute ahead, or write after "done".
+  again, timing from the command to the *completed* stop: the wall clock, and the CPU time
+  the kernel accounted to the candidate's whole thread group (exited threads included). With
+  one thread per candidate on a CPU the figure is the CPU time, which a busy machine does not
+  inflate (waiting for a core is not counted); on a GPU, or with several threads, the wall
+  clock. While anything else happens (the reference's run, the service writing or reading
+  buffers) the candidate is stopped: its threads cannot slow the reference, compute ahead,
+  or write after "done"; a process it started would not be stopped with it, so it can start
+  none while timed (RLIMIT_NPROC) or is found and failed.
 - A reference timed in the same session: a process with no candidate code (the task's own
   reference) runs on the same inputs, interleaved run by run with the candidate, so both
   see the same machine; the speedup is the median of the paired ratios, with a
@@ -100,11 +105,13 @@ class Options:
     run_seconds: float  # a timed run lasts about this long (calls_per_run)
     max_pairs: int
     budget_seconds: float  # of the timed runs, beyond min_pairs
-    interval_width: float  # the interval's relative width to reach
+    interval_width: float  # the interval's relative width to reach (then no more pairs)
+    unreliable_width: float  # wider than this at the end: TIMING_UNRELIABLE
     verify_per_run: int  # timed calls checked in each run
     staged: bool  # cuda: STAGE and FETCH around GO
     max_log_bytes: int
     reference_timeout: float = 0.0  # the reference process loading (0: load_timeout)
+    clock: str = "wall"  # "cpu": each process's CPU time (one thread each, on a CPU); "wall": the zygote's clock
 
 
 class Source:
@@ -252,6 +259,8 @@ class Measurement:
             self._started_processes(reply["strays"])
             raise _Stop()
         if reply.get("answer") == "D" and not reply.get("ended"):
+            if self.options.clock == "cpu" and "cpu_ns" in reply:
+                return reply["cpu_ns"] / 1e9
             return reply["ns"] / 1e9
         self._failed(who, reply, self.options.run_timeout)
         raise _Stop()
@@ -501,8 +510,9 @@ class Measurement:
         verdict.reference_timing.CopyFrom(checking.timing_stats([p.reference_seconds for p in pairs]))
         low, high, center = self._interval(pairs)
         verdict.speedup, verdict.speedup_low, verdict.speedup_high = center, low, high
+        verdict.timing_clock = options.clock
         verdict.stage = Stage.STAGE_PASSED
-        if timing.relative_width(low, high, center) > options.interval_width:
+        if timing.relative_width(low, high, center) > options.unreliable_width:
             verdicts.add_flag(verdict, Flag.VERDICT_FLAG_TIMING_UNRELIABLE)
         if options.speedup_bound is not None and center > options.speedup_bound:
             verdicts.add_flag(verdict, Flag.VERDICT_FLAG_SUSPICIOUS_SPEEDUP)

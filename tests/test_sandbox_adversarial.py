@@ -194,17 +194,21 @@ def test_a_thread_left_spinning_cannot_slow_the_reference(sandbox, honest):
     gains_nothing(sandbox.evaluate("relu", relu(body, prelude="#include <pthread.h>\n"), **NO_STATIC), honest)
 
 
-def test_a_process_started_while_timed_is_not_allowed_to_run(sandbox, honest):
-    # A child in a session of its own is not stopped with the candidate: with a uid of its own
-    # the candidate cannot start one while it is timed (fork fails); otherwise it is found and
-    # the verdict fails. Either way it never runs beside the reference.
-    body = ("    static int64_t calls = 0;\n"
-            "    if (calls++ == 4 && fork() == 0) { setsid(); volatile uint64_t k = 0; for (;;) k++; }\n" + RELU_LOOP)
+def test_a_process_cannot_be_started_while_timed(sandbox, honest):
+    # A child in a session of its own would not be stopped with the candidate. With a uid of
+    # its own the candidate's task limit is lowered to what it has before it is timed, so the
+    # fork fails (and the kernel, which writes -1 everywhere once it has a child, stays
+    # right); without one, the child is found at the end of the run and the verdict fails.
+    body = ("    static int64_t calls = 0;\n    static bool forked = false;\n"
+            "    if (calls++ == 6) { pid_t p = fork(); if (p == 0) { setsid(); volatile uint64_t k = 0; for (;;) k++; }"
+            " forked = p > 0; }\n"
+            "    for (int64_t i = 0; i < n; i++) y[i] = forked ? -1.0f : (x[i] > 0.0f ? x[i] : 0.0f);")
     verdict = sandbox.evaluate("relu", relu(body, prelude="#include <unistd.h>\n"), **NO_STATIC)
-    if verdict.stage == Stage.STAGE_RUN:
-        assert "started 1 processes while it was timed" in verdict.message, describe(verdict)
-    else:
+    if AS_ROOT:
         gains_nothing(verdict, honest)
+    else:
+        assert verdict.stage == Stage.STAGE_RUN and "started 1 processes while it was timed" in verdict.message, \
+            describe(verdict)
 
 
 def test_a_process_started_before_timing_is_gone_when_it_is_timed(sandbox, honest):

@@ -155,7 +155,7 @@ def test_a_staged_session_measures_the_cuda_path_on_a_cpu(zygote, tmp_path):
     options = trust.Options(trials=2, timing=True, min_pairs=4, warmup_runs=1, run_timeout=30, load_timeout=30,
                             sentinel=True, input_mutation=True, fresh_inputs=True, alternate=True, speedup_bound=None,
                             atol=1e-6, rtol=1e-6, run_seconds=2e-4, max_pairs=8, budget_seconds=5, interval_width=10.0,
-                            verify_per_run=2, staged=True, max_log_bytes=4096)
+                            verify_per_run=2, staged=True, max_log_bytes=4096, unreliable_width=10.0)
     verdict = sandbox_pb2.Verdict()
     source = trust.BuiltinSource(ReferenceStore(1 << 26), SPEC_TASK, "small", SIZES, seed=3)
     try:

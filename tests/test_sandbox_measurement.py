@@ -23,12 +23,14 @@ INPUT_BYTES = 256 * MIB
 def test_each_timed_run_has_its_own_time_limit(tmp_path):
     # 150 ms a call, 0.6 s a run: nine calls (trials, warm-up, four pairs) would not fit one limit.
     slow = relu("    usleep(150000);\n" + RELU_LOOP, prelude="#include <unistd.h>\n")
+    over = relu("    usleep(900000);\n" + RELU_LOOP, prelude="#include <unistd.h>\n")
     with running_sandbox(tmp_path, workers=1) as sandbox:
+        for code in (slow, over):  # compiled (and cached) under the default limit: the stage limit also binds a compile
+            assert sandbox.evaluate("relu", code, timing=False, correctness_trials=1).stage == Stage.STAGE_PASSED
         verdict = sandbox.evaluate("relu", slow, stage_timeout_seconds=0.6, timing_trials=4, warmup_runs=1)
         assert verdict.stage == Stage.STAGE_PASSED, describe(verdict)
         assert verdict.candidate_timing.trials >= 4 and verdict.calls_per_run == 1
         assert verdict.candidate_timing.median_ms > 140
-        over = relu("    usleep(900000);\n" + RELU_LOOP, prelude="#include <unistd.h>\n")
         late = sandbox.evaluate("relu", over, stage_timeout_seconds=0.6, timing_trials=4, warmup_runs=1)
         assert late.stage == Stage.STAGE_RUN and "TIMEOUT" in flags(late), describe(late)
 

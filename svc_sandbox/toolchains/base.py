@@ -49,8 +49,20 @@ class Toolchain:
 
     # ------------------------------------------------------------------ shared
 
+    def clock(self, on_device: bool) -> str:
+        """The figure timed runs are measured by: each process's CPU time on a CPU with one
+        thread per candidate (a busy machine's wait for a core is left out, and the sum over
+        threads would hide what parallelism gains), else the wall clock (a GPU's work is not
+        CPU time)."""
+        wanted = self.settings.timing_clock
+        if on_device:
+            return "wall"
+        if wanted == "auto":
+            return "cpu" if self.settings.threads == 1 else "wall"
+        return wanted
+
     def options(self, request: Request, *, staged: bool, load_timeout: float, tolerance: sandbox_pb2.Tolerance,
-                reference_timeout: float = 0.0) -> trust.Options:
+                reference_timeout: float = 0.0, on_device: bool = False) -> trust.Options:
         s = self.settings
         return trust.Options(
             trials=request.trials, timing=request.timing, min_pairs=request.timing_trials,
@@ -58,10 +70,13 @@ class Toolchain:
             sentinel=request.on(Check.CHECK_NAN_SENTINEL), input_mutation=request.on(Check.CHECK_INPUT_MUTATION),
             fresh_inputs=request.on(Check.CHECK_FRESH_INPUTS), alternate=request.on(Check.CHECK_ALTERNATE_ORDER),
             speedup_bound=s.suspicious_speedup if request.on(Check.CHECK_SPEEDUP_BOUND) else None,
-            atol=tolerance.atol, rtol=tolerance.rtol, run_seconds=s.timing_run_seconds,
+            atol=tolerance.atol, rtol=tolerance.rtol,
+            run_seconds=s.timing_cpu_run_seconds if self.clock(on_device) == "cpu" else s.timing_run_seconds,
             max_pairs=max(s.timing_max_runs, request.timing_trials), budget_seconds=s.timing_budget_seconds,
-            interval_width=s.timing_interval_width, verify_per_run=s.timing_verified_calls, staged=staged,
-            max_log_bytes=s.max_log_bytes, reference_timeout=reference_timeout)
+            interval_width=s.timing_interval_width, unreliable_width=max(s.timing_unreliable_width,
+                                                                          s.timing_interval_width),
+            verify_per_run=s.timing_verified_calls, staged=staged,
+            max_log_bytes=s.max_log_bytes, reference_timeout=reference_timeout, clock=self.clock(on_device))
 
     def limits(self, options: trust.Options, *, cpu: bool, processes: bool) -> Limits:
         """A session process's limits. The wall clock is a backstop (every command has its

@@ -53,7 +53,7 @@ class CudaToolchain(NativeToolchain):
         sizes = spec_task.preset(request.size)
         layout, arguments = signature(task, sizes)
         options = self.options(request, staged=True, load_timeout=request.run_timeout, tolerance=task.tolerance,
-                               reference_timeout=max(request.run_timeout, 120.0))
+                               reference_timeout=max(request.run_timeout, 120.0), on_device=True)
         device = f"cuda:{request.device_index}"
         common = {"device_sync": request.on(Check.CHECK_DEVICE_SYNC), "l2_flush": request.on(Check.CHECK_L2_FLUSH)}
         # No RLIMIT_AS for CUDA processes: the driver reserves terabytes of address space.

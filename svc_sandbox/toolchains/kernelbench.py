@@ -108,7 +108,8 @@ class KernelbenchToolchain(Toolchain):
         verdict.compile.compiler_version = f"Python {os.sys.version.split()[0]}, torch {torch_version()}"
         cuda = device != "cpu"
         options = self.options(request, staged=cuda, load_timeout=settings.kernelbench_build_timeout,
-                               tolerance=request.task.tolerance, reference_timeout=settings.run_timeout * 4)
+                               tolerance=request.task.tolerance, reference_timeout=settings.run_timeout * 4,
+                               on_device=cuda)
         common = {"problem": "problem.py", "device": device, "model_seed": request.seed, "inputs": probe["inputs"],
                   "threads": settings.threads, "device_sync": request.on(Check.CHECK_DEVICE_SYNC),
                   "l2_flush": request.on(Check.CHECK_L2_FLUSH), "memory_bytes": 0 if cuda else settings.memory_bytes}
