@@ -112,6 +112,7 @@ class Options:
     max_log_bytes: int
     reference_timeout: float = 0.0  # the reference process loading (0: load_timeout)
     clock: str = "wall"  # "cpu": each process's CPU time (one thread each, on a CPU); "wall": the zygote's clock
+    charge_copies: bool = True  # staged: copies slower than the reference's count (off with DEVICE_SYNC off)
 
 
 class Source:
@@ -248,6 +249,7 @@ class Measurement:
         self.sampling = sampling
         self.load_seconds = 0.0  # the candidate loading its code (a KernelBench module: its build)
         self.timing = False  # in the timed runs (the candidate may have no other process)
+        self.floor = 0.0  # wall clock: what an empty run costs (the reference's), taken off every run
         self._random = secrets.SystemRandom()
 
     # ------------------------------------------------------------------ commands
@@ -269,7 +271,7 @@ class Measurement:
         """GO on slots [first, first + count) (with STAGE and FETCH around it on cuda):
         (seconds of GO, seconds of the copies)."""
         copies = self.step(who, STAGE, first, count) if self.options.staged else 0.0
-        seconds = self.step(who, GO, first, count)
+        seconds = max(self.step(who, GO, first, count) - self.floor, 1e-9)
         if self.options.staged:
             copies += self.step(who, FETCH, first, count)
         return seconds, copies
@@ -448,6 +450,13 @@ class Measurement:
 
     def _pairs(self) -> list[Pair]:
         options = self.options
+        if options.clock == "wall":
+            # A run's fixed cost (continue, command, answer, stop; on a GPU the synchronize) is
+            # measured on the trusted reference with no calls and taken off both sides' runs:
+            # on a device a call can be shorter than that cost. The candidate's own empty runs
+            # are not used: it could make them slow and so look faster.
+            empty = sorted(self.step(REFERENCE, GO, 0, 0) for _ in range(5))
+            self.floor = empty[len(empty) // 2]
         calls = 1
         for warmup in range(options.warmup_runs):  # untimed for the verdict, checked like any run
             pair = self._pair(warmup, calls)
@@ -499,7 +508,7 @@ class Measurement:
         """The candidate's time per call. On cuda, copies that took longer than the
         reference's identical ones are charged to it: work moved out of GO into STAGE or
         FETCH is counted."""
-        if not self.options.staged:
+        if not (self.options.staged and self.options.charge_copies):
             return pair.candidate_seconds
         return pair.candidate_seconds + max(0.0, pair.copies_candidate - pair.copies_reference) / max(1,
                                                                                                      self.verdict.calls_per_run)

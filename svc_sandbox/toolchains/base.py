@@ -75,7 +75,7 @@ class Toolchain:
             max_pairs=max(s.timing_max_runs, request.timing_trials), budget_seconds=s.timing_budget_seconds,
             interval_width=s.timing_interval_width, unreliable_width=max(s.timing_unreliable_width,
                                                                           s.timing_interval_width),
-            verify_per_run=s.timing_verified_calls, staged=staged,
+            verify_per_run=s.timing_verified_calls, staged=staged, charge_copies=request.on(Check.CHECK_DEVICE_SYNC),
             max_log_bytes=s.max_log_bytes, reference_timeout=reference_timeout, clock=self.clock(on_device))
 
     def limits(self, options: trust.Options, *, cpu: bool, processes: bool) -> Limits:
