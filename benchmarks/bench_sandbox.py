@@ -260,6 +260,7 @@ def demo_load(directory: Path, warmup: float, limit: float):
     """`leap demo` training on this machine (its own stack: policy, sandbox, reward, trainer),
     started `warmup` seconds before the block (the tiny model is built, or taken from
     `directory`'s cache, and the stack starts) and ended after it, or after `limit` seconds."""
+    directory.mkdir(parents=True, exist_ok=True)
     log = open(directory / "demo-load.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "leap", "demo", "--steps", "1000", "--quiet",
                                 "--out", str(directory)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -327,7 +328,12 @@ def noise_conditions(args: argparse.Namespace, directory: Path, checkout: Path, 
     with served(checkout, directory, uid) as sandbox:
         for label, condition in conditions:
             with condition():
-                results[label] = {"load_average": os.getloadavg()[0], **bench_noise(sandbox, runs, label)}
+                row = results[label] = {"load_average": os.getloadavg()[0], **bench_noise(sandbox, runs, label)}
+            for task_id in ("relu", "gemm"):
+                r = row[task_id]
+                print(f"{checkout.name} noise, {label} (load {row['load_average']:.1f}), {task_id}: p95/p5 "
+                      f"{r['p95_over_p5']:.2f} (goal <= 1.3), median {r['median']:.2f}x, {r['min']:.2f}-{r['max']:.2f}x, "
+                      f"{r['timing_unreliable']} TIMING_UNRELIABLE", flush=True)
     return results
 
 
@@ -396,6 +402,14 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def save(results: dict, out: Path, json_path: str | None) -> None:
+    """Write what is measured so far (a long run that fails late keeps its earlier parts)."""
+    text = json.dumps(results, indent=2, default=str)
+    (out / "results.json").write_text(text)
+    if json_path:
+        Path(json_path).write_text(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_sandbox", help="directory for results.json and sandbox.png")
@@ -454,6 +468,7 @@ def main() -> int:
                           f"= {row['per_second']:.2f}/s" + (f" ({len(row['not_passed'])} did not pass)"
                                                              if row["not_passed"] else ""))
                 print(f"{name} throughput scaling: {t['scaling']:.2f}x with {t['cores']} workers")
+                save(results, out, args.json)
             if "baseline" in checkouts:
                 cores = available_cores()
                 ratio = (results["throughput"]["current"]["by_workers"][cores]["per_second"]
@@ -463,14 +478,9 @@ def main() -> int:
         if "noise" in sections:
             results["noise"] = {}
             for offset, (name, checkout) in enumerate(checkouts.items()):
-                rows = results["noise"][name] = noise_conditions(args, directory, checkout,
-                                                                 args.sandbox_uid + 100 * (offset + 2))
-                for condition, row in rows.items():
-                    for task_id in ("relu", "gemm"):
-                        r = row[task_id]
-                        print(f"{name} noise, {condition} (load {row['load_average']:.1f}), {task_id}: p95/p5 "
-                              f"{r['p95_over_p5']:.2f} (goal <= 1.3), median {r['median']:.2f}x, "
-                              f"{r['min']:.2f}-{r['max']:.2f}x, {r['timing_unreliable']} TIMING_UNRELIABLE")
+                results["noise"][name] = noise_conditions(args, directory, checkout,
+                                                          args.sandbox_uid + 100 * (offset + 2))
+                save(results, out, args.json)
         if args.gpu or args.gpu_only:
             results["gpu"] = bench_gpu(directory, args.quick)
             g = results["gpu"]
@@ -485,10 +495,7 @@ def main() -> int:
                           f"  {' '.join(row['flags'])}")
                 for task_id, rows in g["timing_checks"].items():
                     print(f"  {task_id}: " + ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in rows.items()))
-    text = json.dumps(results, indent=2, default=str)
-    (out / "results.json").write_text(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    save(results, out, args.json)
     if "compile" in results and "throughput" in results:
         plot(results, out / "sandbox.png")
     log.warning("benchmark written", out=str(out))

@@ -65,8 +65,8 @@ class Settings:
     timing_run_seconds: float = 1e-3
     timing_cpu_run_seconds: float = 5e-4
     timing_max_runs: int = 20
-    timing_budget_seconds: float = 0.5
-    timing_interval_width: float = 0.10
+    timing_budget_seconds: float = 0.3
+    timing_interval_width: float = 0.15
     timing_unreliable_width: float = 0.25
     timing_verified_calls: int = 2
     timing_clock: str = "auto"

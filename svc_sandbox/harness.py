@@ -32,7 +32,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 
 from svc_sandbox import shm
 from svc_sandbox.timer import COMPILE_ERROR, DONE, LIMIT_TASKS, LOAD_ERROR, READY, RUN_ERROR, SHAPE_ERROR, STEP

@@ -112,13 +112,13 @@ class SandboxConfig(ServerConfig):
     timing_cpu_run_seconds: float = option(5e-4, "The same, for runs measured by CPU time (timing_clock): its "
                                                    "fixed cost per run is a few microseconds of CPU, so a run may be "
                                                    "shorter, in seconds.")
-    timing_interval_width: float = option(0.10, "Pairs of timed runs are added until the speedup's 95% interval is at "
+    timing_interval_width: float = option(0.15, "Pairs of timed runs are added until the speedup's 95% interval is at "
                                                 "most this wide relative to the speedup, or the budget is spent.")
     timing_unreliable_width: float = option(0.25, "An interval still wider than this (relative to the speedup) when the "
                                                   "budget is spent makes the verdict TIMING_UNRELIABLE.")
     timing_max_runs: int = option(20, "Most timed runs of each of candidate and reference (the budget in runs).")
-    timing_budget_seconds: float = option(0.5, "Time the timed runs may take beyond the request's timing_trials (the "
-                                               "budget in seconds).")
+    timing_budget_seconds: float = option(0.3, "Time the timed runs of one candidate may take in all (the budget in "
+                                               "seconds; it can end them before timing_trials pairs).")
     timing_verified_calls: int = option(2, "Calls of each timed run whose outputs are checked (chosen at random after "
                                            "the run); every call's inputs are checked.")
     timing_clock: str = option("auto", "What timed runs are measured by: cpu (the CPU time of each process, every "

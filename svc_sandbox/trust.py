@@ -104,7 +104,7 @@ class Options:
     rtol: float
     run_seconds: float  # a timed run lasts about this long (calls_per_run)
     max_pairs: int
-    budget_seconds: float  # of the timed runs, beyond min_pairs
+    budget_seconds: float  # of the timed runs in all (it ends even the min_pairs early)
     interval_width: float  # the interval's relative width to reach (then no more pairs)
     unreliable_width: float  # wider than this at the end: TIMING_UNRELIABLE
     verify_per_run: int  # timed calls checked in each run
@@ -126,8 +126,12 @@ class Source:
         raise NotImplementedError
 
     def fresh(self, m: Measurement, count: int) -> None:
-        """Write new inputs into slots [0, count) of both regions."""
+        """New inputs for slots [0, count): written into both regions, here or by `prepare`."""
         raise NotImplementedError
+
+    def prepare(self, m: Measurement, who: str, count: int) -> None:
+        """Right before `who` runs slots [0, count) of a timed pair (both sides alike, so both
+        find their inputs as freshly written, as warm in the caches)."""
 
     def expected(self, m: Measurement, slot: int) -> list[np.ndarray]:
         """Expected outputs of slot `slot` (after the reference has run on it, where it must)."""
@@ -162,17 +166,16 @@ class BuiltinSource(Source):
         return inputs, [data.expected[t_.name].reshape(-1) for t_ in m.layout.outputs]
 
     def fresh(self, m: Measurement, count: int) -> None:
-        assert m.reference is not None
+        """Draw each slot's inputs: a pool set and a key per tensor (integers drawn afresh);
+        `prepare` writes them into each side's region right before it runs."""
+        self._batch: list[list[tuple[np.ndarray, int]]] = []
         if not m.options.fresh_inputs:  # the check is off: every timed call gets trial 0's inputs
             data = self._trial0 or self._data(m, 0)
-            for slot in range(count):
-                for index, tensor in enumerate(m.layout.inputs):
-                    m.candidate.write(slot, index, data.inputs[tensor.name])
-                    m.reference.write(slot, index, data.inputs[tensor.name])
+            self._batch = [[(data.inputs[t.name], 0) for t in m.layout.inputs]] * count
             return
         pool = self.store.pool(self.spec, self.size, self.sizes)
         integers = [t.name for t in m.layout.inputs if np.dtype(t.dtype).kind != "f"]
-        for slot in range(count):
+        for _ in range(count):
             while True:  # a (pool set, key) pair used once per session
                 choice = int(self._rng.integers(len(pool)))
                 key = mantissa_key(np.dtype(np.float32), self._rng)
@@ -180,12 +183,19 @@ class BuiltinSource(Source):
                     self._keys_used.add((choice, key))
                     break
             drawn = fresh_integers(self.spec, self.sizes, integers, self._rng) if integers else {}
-            for index, tensor in enumerate(m.layout.inputs):
-                source = drawn.get(tensor.name, pool[choice][tensor.name])
+            row = []
+            for tensor in m.layout.inputs:
                 dtype = np.dtype(tensor.dtype)
                 own_key = key if dtype.itemsize == 4 else mantissa_key(dtype, self._rng) if dtype.kind == "f" else 0
-                scramble_into(source, m.reference.view(slot, index), own_key)
-                np.copyto(m.candidate.view(slot, index), m.reference.view(slot, index))
+                row.append((drawn.get(tensor.name, pool[choice][tensor.name]), own_key if dtype.kind == "f" else 0))
+            self._batch.append(row)
+
+    def prepare(self, m: Measurement, who: str, count: int) -> None:
+        region = m.candidate if who == CANDIDATE else m.reference
+        assert region is not None
+        for slot, row in enumerate(self._batch[:count]):
+            for index, (source, key) in enumerate(row):
+                scramble_into(source, region.view(slot, index), key)
 
     def expected(self, m: Measurement, slot: int) -> list[np.ndarray]:
         assert m.reference is not None
@@ -249,7 +259,7 @@ class Measurement:
         self.sampling = sampling
         self.load_seconds = 0.0  # the candidate loading its code (a KernelBench module: its build)
         self.timing = False  # in the timed runs (the candidate may have no other process)
-        self.floor = 0.0  # wall clock: what an empty run costs (the reference's), taken off every run
+        self.floor = 0.0  # what an empty run costs (the reference's), taken off every run
         self._random = secrets.SystemRandom()
 
     # ------------------------------------------------------------------ commands
@@ -450,13 +460,12 @@ class Measurement:
 
     def _pairs(self) -> list[Pair]:
         options = self.options
-        if options.clock == "wall":
-            # A run's fixed cost (continue, command, answer, stop; on a GPU the synchronize) is
-            # measured on the trusted reference with no calls and taken off both sides' runs:
-            # on a device a call can be shorter than that cost. The candidate's own empty runs
-            # are not used: it could make them slow and so look faster.
-            empty = sorted(self.step(REFERENCE, GO, 0, 0) for _ in range(5))
-            self.floor = empty[len(empty) // 2]
+        # A run's fixed cost (continue, command, answer, stop; on a GPU the synchronize) is
+        # measured on the trusted reference with no calls and taken off both sides' runs, so it
+        # does not pull every ratio towards 1 (on a device a call can be shorter than it). The
+        # candidate's own empty runs are not used: it could make them slow and so look faster.
+        empty = sorted(self.step(REFERENCE, GO, 0, 0) for _ in range(5))
+        self.floor = empty[len(empty) // 2]
         calls = 1
         for warmup in range(options.warmup_runs):  # untimed for the verdict, checked like any run
             pair = self._pair(warmup, calls)
@@ -477,12 +486,17 @@ class Measurement:
                 return pairs
 
     def _pair(self, number: int, calls: int) -> Pair:
-        """One timed run of each on `calls` fresh input sets; checked."""
+        """One timed run of each on `calls` fresh input sets; checked. Right before each
+        side's run its inputs are written and its outputs filled, the same way for both, so
+        neither finds its buffers warmer in the caches."""
         self.source.fresh(self, calls)
-        if self.options.sentinel:
-            self.candidate.fill(range(calls), self._outputs(), checking.SENTINEL_BYTE)
         seconds: dict[str, tuple[float, float]] = {}
         for who in timing.order(number, self.options.alternate):
+            self.source.prepare(self, who, calls)
+            region = self.candidate if who == CANDIDATE else self.reference
+            assert region is not None
+            if self.options.sentinel or who == REFERENCE:
+                region.fill(range(calls), self._outputs(), checking.SENTINEL_BYTE)
             seconds[who] = self.run(who, 0, calls)
         self._verify(calls)
         (ref, ref_copies), (cand, cand_copies) = seconds[REFERENCE], seconds[CANDIDATE]
