@@ -63,7 +63,7 @@ class Settings:
     timing_trials: int = 10
     warmup_runs: int = 2
     timing_run_seconds: float = 1e-3
-    timing_cpu_run_seconds: float = 5e-4
+    timing_cpu_run_seconds: float = 1e-3
     timing_max_runs: int = 20
     timing_budget_seconds: float = 0.3
     timing_interval_width: float = 0.15

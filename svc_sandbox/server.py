@@ -109,7 +109,7 @@ class SandboxConfig(ServerConfig):
     timing_run_seconds: float = option(1e-3, "A timed run is a batch of calls, each on inputs of its own, that lasts "
                                              "about this long (the fixed cost of starting and stopping a run, tens of "
                                              "microseconds, then hardly counts), in seconds.")
-    timing_cpu_run_seconds: float = option(5e-4, "The same, for runs measured by CPU time (timing_clock): its "
+    timing_cpu_run_seconds: float = option(1e-3, "The same, for runs measured by CPU time (timing_clock): its "
                                                    "fixed cost per run is a few microseconds of CPU, so a run may be "
                                                    "shorter, in seconds.")
     timing_interval_width: float = option(0.15, "Pairs of timed runs are added until the speedup's 95% interval is at "
@@ -120,7 +120,7 @@ class SandboxConfig(ServerConfig):
     timing_budget_seconds: float = option(0.3, "Time the timed runs of one candidate may take in all (the budget in "
                                                "seconds; it can end them before timing_trials pairs).")
     timing_verified_calls: int = option(2, "Calls of each timed run whose outputs are checked (chosen at random after "
-                                           "the run); every call's inputs are checked.")
+                                           "the run), inputs and outputs.")
     timing_clock: str = option("auto", "What timed runs are measured by: cpu (the CPU time of each process, every "
                                        "thread of it: not inflated by waiting for a core on a busy machine), wall "
                                        "(the wall clock) or auto (cpu with one thread per candidate, else wall). "

@@ -20,8 +20,9 @@ verdict rests on is each of these, and nothing else:
 - Outputs of the timed runs, checked: every timed call writes outputs; after each run the
   service checks a random subset of them, chosen after the run (so the candidate cannot
   know which): a candidate that fakes a share q of its calls survives R runs with
-  probability (1 - q) ** (checked * R), and gains at most q of its time. Inputs of every
-  call are compared with a pristine copy the candidate cannot map: a changed input fails.
+  probability (1 - q) ** (checked * R), and gains at most q of its time. The checked calls'
+  inputs are compared with a pristine copy the candidate cannot map: a changed input fails
+  (and the reference runs on a copy of its own, so changing inputs cannot slow it).
 - A clock outside its address space: the zygote (timer.py), a single-threaded process with
   no candidate code that the candidate's uid cannot signal or trace, continues the
   candidate's process group, sends the command, waits for the answer and stops the group
@@ -503,13 +504,14 @@ class Measurement:
         return Pair(ref / calls, cand / calls, cand_copies, ref_copies)
 
     def _verify(self, calls: int) -> None:
-        """Every call's inputs intact; the outputs of a random subset of calls, chosen now."""
+        """The inputs and outputs of a random subset of the run's calls, chosen now. (The
+        reference has inputs of its own, so a candidate changing its inputs cannot slow it:
+        a changed input is a correctness failure, checked where the outputs are.)"""
         trial = self.options.trials  # Mismatch.trial of the timed runs
-        if self.options.input_mutation:
-            for slot in range(calls):
-                if not self._inputs_intact(slot, trial, self.source.pristine(self, slot), timed=True, in_reference=True):
-                    raise _Stop()
         for slot in sorted(self._random.sample(range(calls), min(calls, self.options.verify_per_run))):
+            if self.options.input_mutation and not self._inputs_intact(
+                    slot, trial, self.source.pristine(self, slot), timed=True, in_reference=True):
+                raise _Stop()
             if not self._judge(slot, trial, None, self.source.expected(self, slot), timed=True):
                 raise _Stop()
 
