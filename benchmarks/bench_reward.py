@@ -6,12 +6,18 @@ pure algorithms) and through gRPC (batched, a real server on loopback in this pr
 beside the cost of one real `g++` compile of a trivial kernel measured in the same run, as a
 ratio. The target: a group costs a negligible share (well under 1%) of one compile.
 
-    python benchmarks/bench_reward.py [--group-size 16] [--groups 64] [--repeats 20]
+Also the cost of recording a Gate call against the size of the task history (SQLite): the
+same call with 64 tasks recorded and with `--history-tasks` (default 50 000, the service's
+bound) recorded, as a ratio. The target: about 1 (O(1) work per group, whatever the history
+holds; the JSON file it replaced took 0.45 s a call at 60 000 tasks).
+
+    python benchmarks/bench_reward.py [--group-size 16] [--groups 64] [--repeats 20] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import statistics
@@ -28,6 +34,7 @@ from leap.reward.v1 import reward_pb2_grpc
 from leap.runtime import BackgroundServer
 from leap.runtime.logging import configure_logging
 from svc_reward.gate import GateParams, Rollout, gate
+from svc_reward.history import HistoryStore, TaskRecord
 from svc_reward.rank import RankParams, Turn, rank_group
 from svc_reward.server import RewardConfig, build
 from svc_reward.stages import Stage
@@ -98,6 +105,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=16, help="rollouts per group (G)")
     parser.add_argument("--groups", type=int, default=64, help="groups per batch (one gRPC call)")
     parser.add_argument("--repeats", type=int, default=20, help="timed repetitions (the median is reported)")
+    parser.add_argument("--history-tasks", type=int, default=50_000, help="tasks in the large history")
+    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
 
     configure_logging("warning")  # no log line per call while timing
@@ -108,7 +117,7 @@ def main() -> None:
     per_group["Rank, in-process"] = median_seconds(lambda: [rank_group(g, params) for g in rank_groups], args.repeats)
 
     with tempfile.TemporaryDirectory() as folder:
-        config = RewardConfig(port=_free_port(), drain_seconds=0.0, history_path=str(Path(folder) / "history.json"))
+        config = RewardConfig(port=_free_port(), drain_seconds=0.0, history_path=str(Path(folder) / "history.sqlite3"))
         with BackgroundServer(build(config), config) as server, grpc.insecure_channel(server.address) as channel:
             stub = reward_pb2_grpc.RewardServiceStub(channel)
             dry, recording = gate_request(gate_groups, dry_run=True), gate_request(gate_groups, dry_run=False)
@@ -118,6 +127,7 @@ def main() -> None:
                                                                        args.repeats)
             per_group["Rank, gRPC"] = median_seconds(lambda: stub.Rank(ranked, timeout=30), args.repeats)
 
+    by_history = history_scaling(gate_groups, args.history_tasks, args.repeats)
     compile_s = compile_seconds(max(3, args.repeats // 4))
     print(f"one g++ compile of a trivial kernel: {compile_s * 1e3:.1f} ms (median, same run)")
     print(f"G = {args.group_size}, {args.groups} groups per batch; medians of {args.repeats} runs\n")
@@ -125,6 +135,36 @@ def main() -> None:
     for name, seconds in per_group.items():
         group_s = seconds / args.groups
         print(f"{name:32} {group_s * 1e6:12.1f} {compile_s / group_s:15.0f}x {group_s / compile_s:18.4%}")
+    small, large = by_history
+    print(f"\nrecorded Gate of {args.groups} groups (SQLite, fsync): {small * 1e3:.2f} ms with only its own tasks in the "
+          f"history, {large * 1e3:.2f} ms with {args.history_tasks} more: ratio {large / small:.2f} (target about 1)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "group_size": args.group_size, "groups": args.groups, "repeats": args.repeats, "compile_s": compile_s,
+            "per_group_s": {name: seconds / args.groups for name, seconds in per_group.items()},
+            "history": {"small_tasks": len({t for t, _ in gate_groups}), "large_tasks": args.history_tasks, "small_call_s": small,
+                        "large_call_s": large, "ratio": large / small},
+        }, indent=1))
+
+
+def history_scaling(groups, large_tasks: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of one recording call with only its own tasks in the history, and with
+    `large_tasks` more recorded first."""
+    task_ids = [task_id for task_id, _ in groups]
+    results = []
+    for extra in (0, large_tasks):
+        with tempfile.TemporaryDirectory() as folder:
+            store = HistoryStore(Path(folder) / "h.sqlite3", max_tasks=large_tasks + len(groups))
+            if extra:
+                filler = {f"filler-{i:06d}": TaskRecord(f"filler-{i:06d}", 0.5, 8, 4, 1, 0.0) for i in range(extra)}
+                store.record_call([], lambda known: (filler, b"", None))
+
+            def call() -> None:
+                store.record_call(task_ids, lambda known: (gate(groups, GateParams(), known, 0.0).history, b"", None))
+
+            results.append(median_seconds(call, repeats))
+            store.close()
+    return results[0], results[1]
 
 
 def _free_port() -> int:

@@ -194,7 +194,7 @@ class Rollouts:
         request = policy_pb2.GenerateRequest(model=self.model, prompts=prompts_, sampling=self._sampling(n, seed))
         with self.generate_clock:
             reply = await with_retries(lambda: self.endpoints.policy.Generate(request), "policy",
-                                       self.endpoints.policy_target, self.patience)
+                                       self.endpoints.policy_target, self.patience, "the generation")
         return list(reply.completions)
 
     async def judge(self, episodes: Sequence[Episode]) -> None:
@@ -222,7 +222,7 @@ class Rollouts:
                     self.evaluations += 1
 
         with self.evaluate_clock:
-            await with_retries(stream, "sandbox", self.endpoints.sandbox_target, self.patience)
+            await with_retries(stream, "sandbox", self.endpoints.sandbox_target, self.patience, "the evaluation")
         if pending:
             raise RuntimeError(f"the sandbox ended an EvaluateBatch stream without {len(pending)} of its verdicts")
 

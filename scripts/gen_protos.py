@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Regenerate the Python bindings of protos/ into leap/<service>/v1/.
+"""Regenerate the Python bindings of protos/ into leap/<service>/v1/, and
+protos/service_config.json: the channel policy of `leap.clients` (retries of UNAVAILABLE with
+backoff, round_robin) as a gRPC service config any client can load, written from
+`leap.clients.channel.service_config()` so the two cannot drift.
 
-Run it after editing any .proto file and commit the result; tests/test_contracts.py
-fails when the committed bindings differ from a fresh generation.
+Run it after editing any .proto file (or the policy) and commit the result;
+tests/test_contracts.py fails when the committed files differ from a fresh generation.
 
     python scripts/gen_protos.py            # write the bindings
     python scripts/gen_protos.py --check    # exit 1 if they are stale (writes nothing)
@@ -21,10 +24,23 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
 OUT_PACKAGE = "leap"  # protos/leap/x/v1/x.proto -> leap/x/v1/x_pb2.py
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+SERVICE_CONFIG = PROTOS / "service_config.json"
+
+
+def service_config_text() -> str:
+    """protos/service_config.json as it should be."""
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from leap.clients.channel import service_config
+
+    return json.dumps(json.loads(service_config()), indent=2) + "\n"
 
 
 def proto_files() -> list[Path]:
-    return sorted(PROTOS.rglob("*.proto"))
+    """Our contracts; protos/google/ holds googleapis' files, whose Python bindings come from
+    the googleapis-common-protos package."""
+    return sorted((PROTOS / OUT_PACKAGE).rglob("*.proto"))
 
 
 def generate(out_dir: Path) -> None:
@@ -84,6 +100,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.check:
         stale = stale_files()
+        if not SERVICE_CONFIG.is_file() or SERVICE_CONFIG.read_text() != service_config_text():
+            stale.append(str(SERVICE_CONFIG.relative_to(ROOT)))
         for rel in stale:
             print(f"stale: {rel}")
         if stale:
@@ -101,7 +119,8 @@ def main() -> int:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 if not (dest.name == "__init__.py" and dest.exists()):
                     shutil.copyfile(src, dest)
-    print(f"generated bindings for {len(proto_files())} proto files")
+    SERVICE_CONFIG.write_text(service_config_text())
+    print(f"generated bindings for {len(proto_files())} proto files, and {SERVICE_CONFIG.relative_to(ROOT)}")
     return 0
 
 

@@ -14,7 +14,10 @@ import math
 from leap.common.v1 import common_pb2
 from leap.distill.v1 import distill_pb2
 from leap.learning import check_model_dir
-from leap.learning.run_config import fill_optimizer, fill_sampling, optimizer_violations, sampling_violations
+from leap.learning.run_config import (
+    fill_optimizer, fill_sampling, model_name_problem, optimizer_violations, report_to_violations,
+    sampling_violations,
+)
 from leap.runtime import Violations
 from svc_distill.losses import TuOpdConfig
 
@@ -68,10 +71,17 @@ def violations(config: distill_pb2.DistillConfig, prefix: str = "config.") -> Vi
     problem = check_model_dir(config.student_model_path)
     check(problem is None, "student_model_path", problem or "")
     check(bool(config.teacher_union_path), "teacher_union_path", "is required (the directory an RGRPO run wrote)")
+    if config.student_model:
+        problem = model_name_problem(config.student_model)
+        check(problem is None, "student_model", problem or "")
     names = [t.name for t in config.teachers]
     for i, name in enumerate(names):
         check(bool(name), f"teachers[{i}].name", "is required (a teacher name of the union)")
         check(not name or names.index(name) == i, f"teachers[{i}].name", f"teacher {name!r} is listed twice")
+        served = config.teachers[i].model or name  # served under its own name by default
+        if served:
+            problem = model_name_problem(served)
+            check(problem is None, f"teachers[{i}].{'model' if config.teachers[i].model else 'name'}", problem or "")
     check(config.steps >= 1, "steps", "is required and must be at least 1")
     check(config.examples_per_step >= 0, "examples_per_step",
           f"must be at least 1 (0 means the default, {DEFAULT_EXAMPLES_PER_STEP})")
@@ -79,6 +89,7 @@ def violations(config: distill_pb2.DistillConfig, prefix: str = "config.") -> Vi
           f"must be at least 1 (0 means the default, {DEFAULT_SAMPLES_PER_EXAMPLE})")
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
+    report_to_violations(config.report_to, prefix + "report_to", v)
     check(config.objective in Objective.values(), "objective", f"unknown objective {config.objective}")
     if config.HasField("reliability_threshold"):
         check(0 <= config.reliability_threshold <= 1, "reliability_threshold",

@@ -32,7 +32,7 @@ from leap.clients.retry import Patience, ServiceUnavailable, with_retries
 from leap.clients.weights import push_weights
 from leap.distill.v1 import distill_pb2
 from leap.evaluation import EvalReport, evaluate
-from leap.learning import Learner, LearnerSettings, OptimizerSettings
+from leap.learning import Learner, LearnerSettings, NonFiniteError, OptimizerSettings
 from leap.learning.data import draw_tasks
 from leap.learning.metrics import plot_metrics
 from leap.learning.registry import RunContext, RunFailure
@@ -251,7 +251,10 @@ class DistillRun:
             sequences = build_sequences(plan, completions, scores)
             learn_started = time.perf_counter()
             self.learner_consistent = False
-            stats = self.learner.train_step(sequences, self.objective)
+            try:
+                stats = self.learner.train_step(sequences, self.objective)
+            except NonFiniteError as err:  # nothing of this update is pushed or checkpointed
+                raise RunFailure(err.sentence(step, self.config.optimizer)) from None
             self.learner_consistent = True
             timings["learn"] = time.perf_counter() - learn_started
         self.cursor, self.completed = cursor, step

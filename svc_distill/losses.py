@@ -66,7 +66,10 @@ def tu_opd_loss(teacher_logps, student_logps, mask, quality, config: TuOpdConfig
     skipped = int((~kept).sum())
     # Without CRD the target is the consensus, and sum_k w_k (l_k,t - s_t) = c_t - s_t since the
     # weights of a kept example sum to 1: one expression covers both.
-    reward = target_logps(teacher_logps, quality, weights, config) - student_logps.detach()
+    # The reward is a constant of the step: neither the teachers' scores nor the student's own
+    # logprobs carry a gradient through it (teacher logprobs that arrive as tensors with a graph,
+    # an in-process teacher for example, must not be trained through the target).
+    reward = (target_logps(teacher_logps, quality, weights, config) - student_logps).detach()
     token_mask = mask * kept[:, None].to(mask.dtype)
     count = token_mask.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=student_logps.dtype)
     # An empty mask gives a zero loss that still has a gradient path, so backward works on every rank.

@@ -15,7 +15,9 @@ import torch
 from leap.clients import connect
 from leap.distill.v1 import distill_pb2
 from leap.learning import load_tokenizer
-from leap.learning.services import check_listed_tasks, reachable, resolve_eval_tasks
+from leap.learning.services import (
+    check_listed_tasks, check_new_tokens, check_samples, policy_limits, reachable, resolve_eval_tasks,
+)
 from leap.policy.v1 import policy_pb2
 from leap.runtime import Violations
 from leap.tokenization import tokenizer_fingerprint
@@ -136,15 +138,43 @@ async def resolve_tasks(out: distill_pb2.DistillConfig, union: TeacherUnion, v: 
         await sandbox.channel.close()
 
 
-async def preflight(config: distill_pb2.DistillConfig, *, timeout: float = 5.0) -> distill_pb2.DistillConfig:
+async def check_limits(config: distill_pb2.DistillConfig, v: Violations) -> None:
+    """Samples per example and per held-out task within what the student's policy service
+    allows, and answers within the student's context."""
+    try:
+        limits = await policy_limits(config.student_address, config.student_model, config.student_model_path)
+    except grpc.aio.AioRpcError as err:
+        v.add("config.student_address", f"the policy service at {config.student_address} did not say what it allows "
+                                        f"(ListModels: {err.code().name}: {err.details()})")
+        return
+    check_samples(limits, {"config.samples_per_example": config.samples_per_example,
+                           "config.eval_samples": config.eval_samples}, v)
+    check_new_tokens(limits, config.sampling.max_new_tokens, "config.sampling.max_new_tokens", v)
+
+
+async def preflight(config: distill_pb2.DistillConfig, *, timeout: float = 5.0,
+                    v: Violations | None = None) -> distill_pb2.DistillConfig:
     """`config` (defaults already filled) with toolchain and task lists resolved; raises
-    INVALID_ARGUMENT naming every field that cannot work."""
-    union, student_fingerprint, v = await asyncio.to_thread(local_checks, config)
-    v.raise_if_any()
+    INVALID_ARGUMENT naming every field that cannot work, with those already in `v` (the
+    config's own problems)."""
+    v = v if v is not None else Violations()
+    bad = {field for field, _ in v.items}
+    initial = len(v.items)
+    if bad & {"config.student_model_path", "config.teacher_union_path"}:
+        v.raise_if_any()  # nothing else can be read without them
+    union, student_fingerprint, found = await asyncio.to_thread(local_checks, config)
+    v.items.extend(item for item in found.items if item[0] not in bad)  # a field already named keeps its reason
+    if union is None:
+        v.raise_if_any()
     assert union is not None
+    known = len(v.items)
     await check_services(config, timeout, v)
-    v.raise_if_any()
+    if len(v.items) > known:  # a service that is down cannot be asked anything
+        v.raise_if_any()
     await check_served(config, student_fingerprint, v)
+    if "config.student_model" not in bad:
+        await check_limits(config, v)
+    v.items[:] = [item for i, item in enumerate(v.items) if i < initial or item[0] not in bad]
     out = distill_pb2.DistillConfig()
     out.CopyFrom(config)
     out.toolchain = out.toolchain or union.toolchain_value()

@@ -42,10 +42,10 @@ class DistillServicer(RunApi, distill_pb2_grpc.DistillServiceServicer):
         self.registry = self.make_registry(settings)
 
     async def prepare_config(self, config: distill_pb2.DistillConfig) -> tuple[distill_pb2.DistillConfig, int]:
-        run_config.violations(config).raise_if_any()
+        found = run_config.violations(config)  # reported with what the files and services say, in one error
         filled = run_config.with_defaults(config, student_address=self.settings.student_address,
                                           sandbox_address=self.settings.sandbox_address)
-        prepared = await preflight(filled, timeout=self.settings.preflight_timeout_seconds)
+        prepared = await preflight(filled, timeout=self.settings.preflight_timeout_seconds, v=found)
         return prepared, prepared.steps
 
     def make_job(self, record: RunRecord):

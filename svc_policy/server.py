@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from leap.policy.v1 import policy_pb2, policy_pb2_grpc
 from leap.runtime import (
@@ -47,6 +48,11 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROLES = ("system", "user", "assistant")
 DTYPE_NAMES = ("", "auto", "float32", "bfloat16", "float16")
 STAGING_AHEAD = 8  # weight chunks received but not yet checked and copied
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+MAX_TEMPERATURE = 100.0  # beyond it sampling is uniform noise (and exp(logits / T) loses every digit)
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 log = get_logger("leap.policy")
 
@@ -108,7 +114,7 @@ class Entry:
     backend: int
     engine: Engine
 
-    def info(self) -> policy_pb2.ModelInfo:
+    def info(self, config: PolicyConfig | None = None) -> policy_pb2.ModelInfo:
         meta = self.engine.meta
         return policy_pb2.ModelInfo(
             name=self.name, path=self.path, backend=self.backend, device=meta.device, dtype=meta.dtype,
@@ -116,6 +122,8 @@ class Entry:
             max_context_tokens=meta.max_context_tokens, tokenizer_fingerprint=meta.tokenizer_fingerprint,
             eos_token_ids=meta.eos_token_ids, has_chat_template=meta.has_chat_template,
             architecture=meta.architecture,
+            max_samples_per_prompt=config.max_samples_per_prompt if config else 0,
+            max_prompts=config.max_prompts if config else 0,
         )
 
 
@@ -169,9 +177,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         directory = Path(path).expanduser() if path else None
         if directory is None:
             v.add("path", "is required: a local Hugging Face model directory")
-        elif not directory.is_dir():
-            v.add("path", f"{path!r} is not a local directory (models are never downloaded: give a directory "
-                          f"holding config.json, the tokenizer and safetensors files)")
+        elif problem := directory_problem(path):
+            v.add("path", problem)
+            directory = None
         elif not (directory / "config.json").is_file():
             v.add("path", f"{path!r} has no config.json: not a Hugging Face model directory")
         v.check(backend in (0, *BACKEND_NAMES.values()), "backend", "unknown backend")
@@ -219,15 +227,21 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 f"must be between 1 and {self.config.max_samples_per_prompt}")
         temperature = params.temperature if params.HasField("temperature") else 1.0
         top_p = params.top_p if params.HasField("top_p") else 1.0
-        v.check(_finite(temperature) and temperature >= 0, "sampling.temperature", "must be 0 (greedy) or positive")
-        v.check(_finite(top_p) and 0 < top_p <= 1, "sampling.top_p", "must be in (0, 1]")
-        v.check(params.top_k >= 0, "sampling.top_k", "must be 0 (off) or positive")
+        v.check(0 <= temperature <= MAX_TEMPERATURE, "sampling.temperature",
+                f"must be 0 (greedy) or positive, at most {MAX_TEMPERATURE:g}, got {temperature!r}")
+        v.check(_finite(top_p) and 0 < top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {top_p!r}")
+        v.check(0 <= params.top_k <= meta.vocab_size, "sampling.top_k",
+                f"must be 0 (off) or a count of tokens up to the vocabulary's {meta.vocab_size}, got {params.top_k}")
         v.check(params.max_new_tokens >= 1, "sampling.max_new_tokens", "is required: at least 1")
         v.check(params.max_new_tokens < meta.max_context_tokens, "sampling.max_new_tokens",
-                f"must be below the model's context of {meta.max_context_tokens} tokens")
-        for index, stop in enumerate(params.stop):
+                f"must be below the model's context of {meta.max_context_tokens} tokens, got {params.max_new_tokens}")
+        v.check(len(params.stop) <= MAX_STOP_STRINGS, "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        v.check(len(params.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "sampling.stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+        for index, stop in enumerate(params.stop[:MAX_STOP_STRINGS]):
             v.check(bool(stop), f"sampling.stop[{index}]", "must not be empty")
-        for index, token in enumerate(params.stop_token_ids):
+            v.check(len(stop) <= MAX_STOP_CHARS, f"sampling.stop[{index}]", f"at most {MAX_STOP_CHARS} characters")
+        for index, token in enumerate(params.stop_token_ids[:MAX_STOP_TOKEN_IDS]):
             v.check(0 <= token < meta.vocab_size, f"sampling.stop_token_ids[{index}]",
                     f"must be a token id below {meta.vocab_size}")
         v.raise_if_any()
@@ -339,9 +353,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         v.check(len(request.items) <= self.config.max_prompts, "items", f"at most {self.config.max_prompts} per request")
         temperature = request.temperature if request.HasField("temperature") else 1.0
         top_p = request.top_p if request.HasField("top_p") else 1.0
-        v.check(_finite(temperature) and temperature > 0, "temperature", "must be positive")
-        v.check(_finite(top_p) and 0 < top_p <= 1, "top_p", "must be in (0, 1]")
-        v.check(request.top_k >= 0, "top_k", "must be 0 (off) or positive")
+        v.check(0 < temperature <= MAX_TEMPERATURE, "temperature",
+                f"must be positive, at most {MAX_TEMPERATURE:g}, got {temperature!r}")
+        v.check(_finite(top_p) and 0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p!r}")
+        v.check(0 <= request.top_k <= meta.vocab_size, "top_k",
+                f"must be 0 (off) or a count of tokens up to the vocabulary's {meta.vocab_size}, got {request.top_k}")
         items = []
         for index, item in enumerate(request.items):
             field = f"items[{index}]"
@@ -389,7 +405,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             raise invalid_argument("messages", "the stream was empty; nothing was applied")
         if not committed:
             raise invalid_argument("commit", "the stream ended without a message with commit = true; nothing was applied")
-        tensors = staging.tensors()
+        tensors = await asyncio.to_thread(staging.tensors)  # the finite check reads every tensor: off the loop
         try:
             await asyncio.wrap_future(entry.engine.update(tensors, version))
         except ValueError as err:  # another update with a version at least as high got in first
@@ -406,7 +422,15 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         staging: WeightStaging | None = None
         version = 0
         index = -1
-        async for message in request_iterator:
+        messages = aiter(request_iterator)
+        while True:
+            try:
+                message = await anext(messages)
+            except StopAsyncIteration:
+                break
+            except DecodeError as err:  # bytes that are no UpdateWeightsRequest: the client's fault
+                raise invalid_argument(f"messages[{index + 1}]", f"is not an UpdateWeightsRequest: protobuf cannot "
+                                                                 f"decode it ({err}); nothing was applied") from None
             index += 1
             field = f"messages[{index}]"
             if entry is None:
@@ -435,6 +459,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         entry = self.entry(request.model)
         v = Violations()
         v.check(bool(request.path), "path", "is required: a local directory of safetensors files")
+        if request.path and (problem := directory_problem(request.path)):
+            v.add("path", problem)
         v.check(request.version > entry.engine.version, "version",
                 f"must exceed the serving version {entry.engine.version}, got {request.version}")
         v.raise_if_any()
@@ -444,14 +470,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         except ValueError as err:
             raise invalid_argument("version", str(err)) from None
         log.info("weights reloaded", model=entry.name, version=request.version, path=request.path, tensors=len(tensors))
-        return policy_pb2.ReloadWeightsResponse(model=entry.info())
+        return policy_pb2.ReloadWeightsResponse(model=entry.info(self.config))
 
     # -- models --------------------------------------------------------------------------
 
     async def LoadModel(self, request, context):
         entry = await self.load(request.name, request.path, request.backend, request.device, request.dtype,
                                 request.version)
-        return policy_pb2.LoadModelResponse(model=entry.info())
+        return policy_pb2.LoadModelResponse(model=entry.info(self.config))
 
     async def UnloadModel(self, request, context):
         entry = self.entry(request.name, "name")
@@ -461,10 +487,25 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         return policy_pb2.UnloadModelResponse()
 
     async def GetModel(self, request, context):
-        return policy_pb2.GetModelResponse(model=self.entry(request.name, "name").info())
+        return policy_pb2.GetModelResponse(model=self.entry(request.name, "name").info(self.config))
 
     async def ListModels(self, request, context):
-        return policy_pb2.ListModelsResponse(models=[self.models[name].info() for name in sorted(self.models)])
+        return policy_pb2.ListModelsResponse(models=[self.models[name].info(self.config) for name in sorted(self.models)],
+                                             max_samples_per_prompt=self.config.max_samples_per_prompt,
+                                             max_prompts=self.config.max_prompts)
+
+
+def directory_problem(path: str) -> str | None:
+    """Why `path` is not a local directory (too long, a name the OS refuses, missing), or None."""
+    if len(path) > MAX_PATH_CHARS:
+        return f"must be at most {MAX_PATH_CHARS} characters, got {len(path)}"
+    try:
+        if Path(path).expanduser().is_dir():
+            return None
+    except (OSError, ValueError) as err:  # a component over NAME_MAX, a NUL byte ...
+        return f"{path[:100]!r} cannot be a directory here: {err.strerror if isinstance(err, OSError) else err}"
+    return (f"{path[:200]!r} is not a local directory (models are never downloaded: give a directory holding "
+            "config.json, the tokenizer and safetensors files)")
 
 
 def parse_models(pairs: Sequence[str]) -> list[tuple[str, str]]:

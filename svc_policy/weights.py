@@ -2,7 +2,10 @@
 (name, dtype, shape, offset, CRC-32) and copied into a staging buffer; only a complete,
 committed stream turns into tensors for the backend. Anything wrong raises INVALID_ARGUMENT
 naming the message and field (`messages[3].chunk.crc32`), and the served weights are never
-touched before the commit.
+touched before the commit. At the commit every floating tensor is checked finite (one
+`torch.isfinite(...).all()` per tensor, a pass over bytes already in memory): a NaN or an
+infinity names the tensor and the message that started it, and nothing is applied, so a
+learner that diverged cannot make the policy answer NaN logprobs to every client.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class WeightStaging:
         self.specs = specs
         self.buffers: dict[str, np.ndarray] = {}
         self.received: dict[str, int] = {}
+        self.first_field: dict[str, str] = {}  # the chunk that started each tensor, for messages
         self.bytes_received = 0
 
     def add(self, chunk: policy_pb2.TensorChunk, field: str) -> None:
@@ -67,6 +71,7 @@ class WeightStaging:
         buffer = self.buffers.get(chunk.name)
         if buffer is None:
             buffer = self.buffers[chunk.name] = np.empty(size, dtype=np.uint8)
+            self.first_field[chunk.name] = field
         buffer[chunk.offset : chunk.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.received[chunk.name] = done + len(data)
         self.bytes_received += len(data)
@@ -79,8 +84,15 @@ class WeightStaging:
             need = self.specs[name].nbytes
             v.check(got == need, "commit", f"tensor {name!r} is incomplete: {got} of {need} bytes arrived")
         v.raise_if_any()
-        return {name: torch.from_numpy(buffer).view(self.specs[name].dtype).reshape(self.specs[name].shape)
-                for name, buffer in self.buffers.items()}
+        tensors = {name: torch.from_numpy(buffer).view(self.specs[name].dtype).reshape(self.specs[name].shape)
+                   for name, buffer in self.buffers.items()}
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                v.add(f"{self.first_field[name]}.data", f"tensor {name!r} holds {bad} NaN or infinite values of "
+                                                         f"{tensor.numel()}; nothing was applied")
+        v.raise_if_any()
+        return tensors
 
 
 def load_checkpoint(path: str, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:

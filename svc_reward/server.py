@@ -5,16 +5,18 @@ protos to the plain values of `gate`, `rank` and `history`, calls them, and conv
 Unset request config fields take the service's config (`RewardConfig`); both are checked by
 the same `problems()` of the pure parameter classes.
 
-The task history lives in memory and in `history_path`. A recording Gate call computes the
-new records, writes the whole history atomically and only then adopts it and answers, so an
-answered call is on disk and a failed write changes nothing (the call fails UNAVAILABLE and
-can be retried).
+The task history lives in an SQLite database (`history.HistoryStore`, `history_path`). A
+recording Gate call is one transaction: it reads the records of its tasks, decides, and
+writes the new records with its idempotency key and its answer before it answers, so an
+answered call is on disk, a failed write changes nothing (the call fails UNAVAILABLE and can
+be retried), and a replayed key answers the stored response without recording again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import math
 import time
 
@@ -28,7 +30,7 @@ from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
 from svc_reward import gate as dcp
 from svc_reward import rank as ranking
-from svc_reward.history import HistoryFile, HistoryFileError, TaskRecord
+from svc_reward.history import HistoryFileError, HistoryFull, HistoryStore, KeyReused, TaskRecord
 from svc_reward.stages import Stage, parse_stage
 from svc_reward.stats import RewardStats, histogram_edges
 
@@ -37,6 +39,7 @@ SERVICE_NAME = "leap.reward.v1.RewardService"
 # Rank requests with more pairwise comparisons than this run on a worker thread, so that a
 # huge batch never stalls health checks and other calls on the event loop.
 OFFLOAD_ABOVE_PAIRS = 50_000
+MAX_IDEMPOTENCY_KEY_BYTES = 256
 
 GATE_MODES = {reward_pb2.GATE_MODE_STATIC: dcp.Mode.STATIC, reward_pb2.GATE_MODE_ADAPTIVE: dcp.Mode.ADAPTIVE,
               reward_pb2.GATE_MODE_EXPAND_ALL: dcp.Mode.EXPAND_ALL}
@@ -55,11 +58,23 @@ class RewardConfig(ServerConfig):
     """Settings of the reward service (server settings included). The gate and rank settings
     are the defaults of every request field left unset."""
 
-    history_path: str = option("runs/reward/task_history.json",
-                               "JSON file of the per-task difficulty history, rewritten atomically after every "
-                               "recording Gate call and read at start; empty keeps it in memory only.")
-    history_fsync: bool = option(True, "fsync the history file (and its folder) on every write, so it survives a "
-                                       "machine crash too, not only a killed process.")
+    history_path: str = option("runs/reward/task_history.sqlite3",
+                               "SQLite database of the per-task difficulty history and of the stored answers of "
+                               "idempotent Gate calls (one transaction per recording call); empty keeps it in memory "
+                               "only. A task_history.json of an older service beside it is imported once and renamed "
+                               "task_history.json.migrated; a path ending in .json names that file (the database "
+                               "is then the same name with .sqlite3).")
+    history_fsync: bool = option(True, "Sync the history database on every commit (SQLite synchronous=FULL), so a "
+                                       "recorded call survives a machine crash too, not only a killed process "
+                                       "(off: synchronous=NORMAL).")
+    history_lock_timeout_seconds: float = option(10.0, "How long a recording Gate call waits for the history "
+                                                       "database held by another writer before it fails UNAVAILABLE.")
+    max_history_tasks: int = option(50_000, "Most distinct tasks the history holds; a Gate call that would record a "
+                                            "new task beyond it is RESOURCE_EXHAUSTED (HISTORY_FULL).")
+    max_task_id_bytes: int = option(256, "Longest task id (UTF-8 bytes) a request may carry.")
+    max_gate_keys: int = option(100_000, "Most Gate idempotency keys kept with their answers; the oldest go first.")
+    gate_key_ttl_seconds: float = option(7 * 24 * 3600.0, "How long a Gate idempotency key and its answer are kept "
+                                                          "(a replay after that records again).")
     gate_mode: str = option("static", "Gate mode: static (DESIGN.md's thresholds), adaptive (expand the best groups "
                                       "by expected value within expand_budget) or expand_all (unpruned multi-turn).")
     simple_threshold: float = option(0.5, "Static mode: a group whose failing share f/G is at or below this is "
@@ -93,6 +108,12 @@ class RewardConfig(ServerConfig):
         problems = [*self.gate_defaults().problems(), *self.rank_defaults().problems()]
         if self.max_group_size < 2:
             problems.append(("max_group_size", f"must be at least 2, got {self.max_group_size}"))
+        for name in ("max_history_tasks", "max_task_id_bytes", "max_gate_keys"):
+            if getattr(self, name) < 1:
+                problems.append((name, f"must be at least 1, got {getattr(self, name)}"))
+        for name in ("history_lock_timeout_seconds", "gate_key_ttl_seconds"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                problems.append((name, f"must be a finite number above 0, got {getattr(self, name)!r}"))
         if problems:
             raise ValueError("; ".join(f"{name}: {problem}" for name, problem in problems))
 
@@ -124,12 +145,11 @@ class RewardConfig(ServerConfig):
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """Difficulty-Conditioned Pruning and tournament rank rewards."""
 
-    def __init__(self, config: RewardConfig, history: dict[str, TaskRecord], history_file: HistoryFile):
+    def __init__(self, config: RewardConfig, history: HistoryStore):
         self.config = config
         self.gate_defaults = config.gate_defaults()
         self.rank_defaults = config.rank_defaults()
         self.history = history
-        self.history_file = history_file
         self.stats = RewardStats()
         self.record_lock = asyncio.Lock()
         self.log = get_logger("leap.reward")
@@ -139,23 +159,44 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def Gate(self, request: reward_pb2.GateRequest, context) -> reward_pb2.GateResponse:
         violations = Violations()
         params = gate_params(request.config, self.gate_defaults, violations)
-        groups = gate_groups(request, self.config.max_group_size, violations)
+        groups = gate_groups(request, self.config.max_group_size, self.config.max_task_id_bytes, violations)
+        key = request.idempotency_key
+        if len(key.encode()) > MAX_IDEMPOTENCY_KEY_BYTES:
+            violations.add("idempotency_key", f"must be at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes, got "
+                                              f"{len(key.encode())}")
         violations.raise_if_any()
+        task_ids = [task_id for task_id, _ in groups]
         if request.dry_run:
-            return gate_response(dcp.gate(groups, params, self.history, time.time()))
-        async with self.record_lock:  # one recording call at a time: each sees the last one's history
-            result = dcp.gate(groups, params, self.history, time.time())
-            merged = {**self.history, **result.history}
-            payload = HistoryFile.encode(merged.values())
+            known = await asyncio.to_thread(self.history.records, task_ids)
+            return gate_response(dcp.gate(groups, params, known, time.time()))
+        now = time.time()
+
+        def decide(known: dict[str, TaskRecord]):
+            result = dcp.gate(groups, params, known, now)
+            return result.history, gate_response(result).SerializeToString(deterministic=True), result
+
+        async with self.record_lock:  # one recording call at a time on this process's connection
             try:
-                await asyncio.to_thread(self.history_file.write, payload)
+                recorded = await asyncio.to_thread(self.history.record_call, task_ids, decide, key,
+                                                   request_fingerprint(request) if key else b"", now)
             except HistoryFileError as err:
                 self.log.error("history not written", error=str(err))
                 raise error_info(grpc.StatusCode.UNAVAILABLE, f"{err}; nothing was recorded, retry the call",
                                  "HISTORY_NOT_WRITTEN") from None
-            self.history = merged
-            self.stats.add_gate(result)
-        return gate_response(result)
+            except HistoryFull as err:
+                raise error_info(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"{err}; nothing was recorded. Gate known tasks, send a dry run, or raise "
+                                 "max_history_tasks", "HISTORY_FULL") from None
+            except KeyReused:
+                raise error_info(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"idempotency_key {key!r} was recorded for another request (other groups or "
+                                 "config); nothing was recorded: send this one as a dry run or under a new key",
+                                 "IDEMPOTENCY_KEY_REUSED", idempotency_key=key) from None
+            if not recorded.replayed:
+                self.stats.add_gate(recorded.result)
+        response = reward_pb2.GateResponse.FromString(recorded.reply)
+        response.replayed = recorded.replayed
+        return response
 
     # Rank -------------------------------------------------------------------------------
 
@@ -174,7 +215,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         """Validate, score and answer (no shared state touched: safe on any thread)."""
         violations = Violations()
         params = rank_params(request.config, self.rank_defaults, violations)
-        groups = rank_groups(request, self.config.max_group_size, violations)
+        groups = rank_groups(request, self.config.max_group_size, self.config.max_task_id_bytes, violations)
         violations.raise_if_any()
         scored = [ranking.rank_group(group, params, request.config.include_matrix) for group in groups]
         response = reward_pb2.RankResponse(results=[
@@ -190,10 +231,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         violations = Violations()
         for i, task_id in enumerate(request.task_ids):
             violations.check(bool(task_id), f"task_ids[{i}]", "must not be empty")
+            check_task_id(task_id, f"task_ids[{i}]", self.config.max_task_id_bytes, violations)
         violations.raise_if_any()
-        wanted = sorted(set(request.task_ids)) if request.task_ids else sorted(self.history)
-        return reward_pb2.GetTaskHistoryResponse(
-            histories=[task_history(self.history[task_id]) for task_id in wanted if task_id in self.history])
+        if request.task_ids:
+            found = await asyncio.to_thread(self.history.records, request.task_ids)
+            records = [found[task_id] for task_id in sorted(found)]
+        else:
+            records = await asyncio.to_thread(self.history.all_records)
+        return reward_pb2.GetTaskHistoryResponse(histories=[task_history(item) for item in records])
 
     async def GetStats(self, request: reward_pb2.GetStatsRequest, context) -> reward_pb2.GetStatsResponse:
         s, gated = self.stats, self.stats.gated
@@ -263,6 +308,17 @@ def check_size(count: int, noun: str, path: str, max_size: int, violations: Viol
         violations.add(path, f"a group may hold at most {max_size} {noun} (max_group_size), got {count}")
 
 
+def check_task_id(task_id: str, path: str, max_bytes: int, violations: Violations) -> None:
+    if len(task_id) * 4 > max_bytes and len(task_id.encode()) > max_bytes:  # encode only the long ones
+        violations.add(path, f"must be at most {max_bytes} bytes (max_task_id_bytes), got {len(task_id.encode())}")
+
+
+def request_fingerprint(request: reward_pb2.GateRequest) -> bytes:
+    """What makes two recording Gate requests the same: their groups and config."""
+    same = reward_pb2.GateRequest(groups=request.groups, config=request.config)
+    return hashlib.sha256(same.SerializeToString(deterministic=True)).digest()
+
+
 def valid_speedup(speedup: float) -> bool:
     """Unset reads as 0, which means not timed; NaN fails both comparisons."""
     return 0.0 <= speedup < math.inf
@@ -294,12 +350,13 @@ def report_speedup(speedup: float, path: str, violations: Violations) -> None:
 # only for what is wrong.
 
 
-def gate_groups(request: reward_pb2.GateRequest, max_size: int,
+def gate_groups(request: reward_pb2.GateRequest, max_size: int, max_id_bytes: int,
                 violations: Violations) -> list[tuple[str, list[dcp.Rollout]]]:
     violations.check(len(request.groups) > 0, "groups", "at least one group is required")
     groups = []
     for g, group in enumerate(request.groups):
         violations.check(bool(group.task_id), f"groups[{g}].task_id", "is required")
+        check_task_id(group.task_id, f"groups[{g}].task_id", max_id_bytes, violations)
         if not 2 <= len(group.rollouts) <= max_size:
             check_size(len(group.rollouts), "rollouts", f"groups[{g}].rollouts", max_size, violations)
         rollouts = []
@@ -314,11 +371,12 @@ def gate_groups(request: reward_pb2.GateRequest, max_size: int,
     return groups
 
 
-def rank_groups(request: reward_pb2.RankRequest, max_size: int,
+def rank_groups(request: reward_pb2.RankRequest, max_size: int, max_id_bytes: int,
                 violations: Violations) -> list[list[list[ranking.Turn]]]:
     violations.check(len(request.groups) > 0, "groups", "at least one group is required")
     groups = []
     for g, group in enumerate(request.groups):
+        check_task_id(group.task_id, f"groups[{g}].task_id", max_id_bytes, violations)
         if not 2 <= len(group.trajectories) <= max_size:
             check_size(len(group.trajectories), "trajectories", f"groups[{g}].trajectories", max_size, violations)
         trajectories = []
@@ -391,17 +449,24 @@ def trajectory_reward(score: ranking.TrajectoryScore) -> reward_pb2.TrajectoryRe
 
 
 def build(config: RewardConfig) -> Service:
-    history_file = HistoryFile(config.history_path or None, fsync=config.history_fsync)
-    servicer = RewardServicer(config, history_file.load(), history_file)
+    history = HistoryStore(config.history_path or None, fsync=config.history_fsync,
+                           max_tasks=config.max_history_tasks, max_keys=config.max_gate_keys,
+                           key_ttl_seconds=config.gate_key_ttl_seconds,
+                           lock_timeout_seconds=config.history_lock_timeout_seconds)
+    servicer = RewardServicer(config, history)
     log = get_logger("leap.reward")
 
     async def on_start() -> None:
-        log.info("task history loaded", path=config.history_path or None, tasks=len(servicer.history))
+        log.info("task history opened", path=history.where, tasks=history.task_count(), keys=history.key_count())
+
+    async def on_stop() -> None:
+        history.close()
 
     return Service(
         name="reward",
         registrations=[Registration(SERVICE_NAME, reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer)],
         on_start=on_start,
+        on_stop=on_stop,
     )
 
 

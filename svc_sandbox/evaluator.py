@@ -266,8 +266,7 @@ class Evaluator:
         env.update(extra or {})
         return env
 
-    def talk(self, zygote: Zygote, spec: dict[str, Any], cwd: Path, wall: float,
-             drop_privileges: bool = False) -> list[dict[str, Any]]:
+    def talk(self, zygote: Zygote, spec: dict[str, Any], cwd: Path, wall: float) -> list[dict[str, Any]]:
         """Run a trusted job (the CUDA probe, a KernelBench probe: no candidate code) to
         completion; its frames' headers."""
         from svc_sandbox.isolation import Limits
@@ -275,7 +274,7 @@ class Evaluator:
         events = []
         deadline = time.monotonic() + wall
         limits = Limits(wall_seconds=wall, file_bytes=self.settings.file_bytes)
-        with zygote.run(spec, str(cwd), self.env(cwd), limits, "run.log", drop_privileges=drop_privileges) as handle:
+        with zygote.run(spec, str(cwd), self.env(cwd), limits, "run.log") as handle:
             while True:
                 try:
                     header, _ = recv_frame(handle.sock, deadline=deadline, max_payload=0)

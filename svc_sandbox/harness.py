@@ -77,8 +77,15 @@ def _log(message: str) -> None:
         pass
 
 
+PR_SET_DUMPABLE = 4
+
+
 def session_main(sock: socket.socket, spec: dict[str, Any]) -> int:
-    """Entry of a session child: receive the memfds, set up, then answer commands."""
+    """Entry of a session child: receive the memfds, set up, then answer commands. The
+    trusted reference first makes itself non-dumpable: where it shares the candidate's uid,
+    the candidate cannot trace it or read its memory."""
+    if spec.get("trusted"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     try:
         _, fds, _, _ = socket.recv_fds(sock, 16, 4)
     except OSError:

@@ -1,20 +1,23 @@
 """Process isolation: every compile and every run of a candidate is a child process with its
-own working directory, session and process group, resource limits, no network and (when the
-service runs as root) its own unprivileged user; it is killed whole when it overruns.
+own working directory, session and process group, resource limits and a syscall filter,
+running as its slot's unprivileged uid inside the slot's confinement (confinement.py: a
+bubblewrap sandbox with its own mount, pid and network namespaces over a read-only minimal
+view); it is killed whole when it overruns or when its caller cancels.
 
 Children are forked by a *zygote*: one small, single-threaded Python process per worker slot,
-started once with NumPy (and, when first needed, PyTorch) already imported, so a run costs
-a fork instead of an interpreter start. The zygote never runs candidate code itself; it
-enters a new network namespace once at start (so every child it forks has no network), and
-it is the subreaper of its children, so nothing a candidate leaves behind escapes the
-final sweep. Forking from the multi-threaded gRPC process is never done.
+started once inside the slot's sandbox with NumPy (and, when first needed, PyTorch) already
+imported, so a run costs a fork instead of an interpreter start. The zygote never runs
+candidate code itself and never sees a secret: it is a fresh interpreter (exec, not a fork
+of the service) with an environment built from nothing. It is the subreaper of its
+children, and everything in its pid namespace is its slot's, so nothing a candidate leaves
+behind escapes the final sweep. Forking from the multi-threaded gRPC process is never done.
 
-    service thread ──SEQPACKET──> zygote (slot k) ──fork──> child: limits, setuid, exec or harness
-                 <──────────── SOCK_STREAM frames (run jobs) ──────────┘
+    service thread ──SEQPACKET──> bwrap ─> zygote (slot k) ──fork──> child: setuid, limits, seccomp, exec or harness
+                 <──────────── SOCK_STREAM frames (run jobs) ───────────────┘
 
-Each slot runs as its own uid (`sandbox_uid + k`), so RLIMIT_NPROC counts one candidate's
-processes only, candidates of different slots cannot signal each other, and "kill every
-process of this uid" is an exact way to leave nothing behind.
+Each slot runs as its own uid (leased by confinement.UidLease), so RLIMIT_NPROC counts one
+candidate's processes only, candidates of different slots or services cannot signal each
+other, and "kill every process of this uid" is an exact way to leave nothing behind.
 """
 
 from __future__ import annotations
@@ -22,26 +25,29 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import faulthandler
+import fcntl
 import json
 import os
 import resource
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from svc_sandbox.wire import WireError, recv_packet, send_packet
 
-CLONE_NEWNET = 0x40000000
-CLONE_NEWUSER = 0x10000000
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 JOB_FD = 3  # where a run job's socket lands in the child
+SETUP_FD = 4  # the child's report of a failed setup (closed on exec, or by the harness once set up)
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP}
 MEMORY_MARKERS = ("std::bad_alloc", "MemoryError", "Cannot allocate memory", "out of memory", "DefaultCPUAllocator")
 PROCESS_MARKERS = ("Resource temporarily unavailable", "BlockingIOError", "can't start new thread")
@@ -104,25 +110,6 @@ def _prctl(option: int, value: int) -> None:
     _libc().prctl(option, value, 0, 0, 0)
 
 
-def enter_network_namespace() -> tuple[bool, str]:
-    """Move the calling process into a new network namespace (loopback only, down).
-    Returns (done, why not)."""
-    libc = _libc()
-    if libc.unshare(CLONE_NEWNET) == 0:
-        return True, ""
-    first = os.strerror(ctypes.get_errno())
-    if os.geteuid() != 0:  # unprivileged: a user namespace gives the capability for it
-        uid, gid = os.geteuid(), os.getegid()
-        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-            with contextlib.suppress(OSError):
-                Path("/proc/self/setgroups").write_text("deny")
-            Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
-            Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
-            return True, ""
-        return False, f"unshare(CLONE_NEWNET) failed: {first}; with a user namespace: {os.strerror(ctypes.get_errno())}"
-    return False, f"unshare(CLONE_NEWNET) failed: {first}"
-
-
 def _set_limits(limits: dict[str, Any]) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if limits.get("cpu_seconds"):
@@ -138,11 +125,19 @@ def _set_limits(limits: dict[str, Any]) -> None:
         resource.setrlimit(resource.RLIMIT_NPROC, (int(limits["processes"]),) * 2)
 
 
-def enter_sandbox(job: dict[str, Any], identity: dict[str, Any], job_fd: int | None) -> None:
-    """In a freshly forked child: become a contained, unprivileged process in `job["cwd"]`."""
+def enter_sandbox(job: dict[str, Any], identity: dict[str, Any], job_fd: int | None, setup_fd: int,
+                  syscall_filter: Any = None) -> None:
+    """In a freshly forked child: become a contained, unprivileged process in `job["cwd"]`.
+    The uid is dropped first, so the job directory and its log are opened as the candidate
+    (the zygote keeps no capability that bypasses file permissions); the syscall filter is
+    loaded last, after PR_SET_NO_NEW_PRIVS."""
     os.setsid()
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE and SIGXFSZ; exec keeps ignored signals
+    if identity.get("uid") is not None:
+        os.setgroups([])
+        os.setgid(identity["gid"])
+        os.setuid(identity["uid"])  # clears every capability
     os.chdir(job["cwd"])
     log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -152,22 +147,25 @@ def enter_sandbox(job: dict[str, Any], identity: dict[str, Any], job_fd: int | N
     if job_fd is not None:
         os.dup2(job_fd, JOB_FD)
         os.set_inheritable(JOB_FD, True)
-    os.closerange(JOB_FD + 1 if job_fd is not None else JOB_FD, 65536)
+    else:
+        os.dup2(null, JOB_FD)
+    os.dup2(setup_fd, SETUP_FD)  # close-on-exec (dup2 clears the flag; set it again below)
+    os.set_inheritable(SETUP_FD, False)
+    os.closerange(SETUP_FD + 1, 65536)
     _set_limits(job["limits"])
-    if identity.get("uid") is not None:
-        os.setgroups([])
-        os.setgid(identity["gid"])
-        os.setuid(identity["uid"])
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if syscall_filter is not None:
+        syscall_filter.load()
     os.environ.clear()
     os.environ.update(job.get("env", {}))
 
 
 def python_unreadable(identity: dict[str, Any]) -> str:
     """Which part of this Python installation the candidates' uid cannot read ("" when it can
-    read all of it). Lazy imports and load_inline's headers need it; a pyenv under /root is
-    the usual reason it cannot."""
+    read all of it), checked inside the sandbox at start. Lazy imports and load_inline's
+    headers need it; the service refuses the kernelbench toolchain where it is unreadable
+    (the view binds the installation, so only its own file modes can make it so)."""
     import sysconfig
 
     if identity.get("uid") is None:
@@ -309,24 +307,62 @@ def _supervise(ctl: socket.socket, pid: int, job: dict[str, Any], identity: dict
     }
 
 
+def _run_child(op: str, job: dict[str, Any], identity: dict[str, Any], job_fd: int | None, setup_fd: int,
+               syscall_filter: Any, harness: Any) -> None:
+    """The forked child: set up, then exec the program or run the harness; never returns.
+    A failure before the job's own code starts is written to the setup pipe (an
+    infrastructure failure, never the candidate's verdict)."""
+    code = 70
+    started = False
+    try:
+        # Out of the way of the fixed slots 0-4 before they are filled.
+        setup_fd = fcntl.fcntl(setup_fd, fcntl.F_DUPFD, 10)
+        if job_fd is not None:
+            job_fd = fcntl.fcntl(job_fd, fcntl.F_DUPFD, 10)
+        enter_sandbox(job, identity, job_fd, setup_fd, syscall_filter)
+        setup_fd = SETUP_FD
+        if op == "exec":
+            os.execve(job["argv"][0], job["argv"], os.environ)  # SETUP_FD closes on success
+        os.close(SETUP_FD)
+        started = True
+        code = harness.main(socket.socket(fileno=JOB_FD), job["spec"])
+    except BaseException as err:  # noqa: BLE001 - anything here is the child's failure
+        text = f"sandbox: {type(err).__name__}: {err}\n".encode()
+        for fd in ([2] if started else [setup_fd, SETUP_FD]):
+            try:
+                os.write(fd, text)
+                break
+            except OSError:
+                continue
+    finally:
+        os._exit(code)
+
+
 def zygote_main(ctl_fd: int) -> None:
     """The zygote's loop: one job at a time, forever (until the service closes the socket)."""
     config = json.loads(os.environ.pop("LEAP_SANDBOX_ZYGOTE", "{}"))
     # No PR_SET_PDEATHSIG here: it fires when the parent *thread* ends, and the service starts
-    # zygotes from short-lived threads. The zygote ends when its control socket closes instead.
+    # zygotes from short-lived threads. The zygote ends when its control socket closes instead
+    # (and everything in its pid namespace with it).
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where it is (to the service's log)
     ctl = socket.socket(fileno=ctl_fd)
-    netns, reason = (False, "network isolation is off in the config")
-    if config.get("network_isolation", True):
-        netns, reason = enter_network_namespace()
     identity = {"uid": config.get("uid"), "gid": config.get("gid")}
+    syscall_filter, seccomp_error = None, ""
+    if config.get("seccomp", True):
+        try:
+            from svc_sandbox.confinement import compiled_filter
+
+            syscall_filter = compiled_filter()
+        except Exception as err:  # reported at start; the service decides whether it may serve
+            seccomp_error = f"{type(err).__name__}: {err}"
     unreadable = python_unreadable(identity)
     import numpy  # noqa: F401  (preloaded for every run child)
 
     from svc_sandbox import harness
 
-    send_packet(ctl, {"ready": True, "pid": os.getpid(), "netns": netns, "netns_reason": reason,
-                      "python_unreadable": unreadable})
+    send_packet(ctl, {"ready": True, "pid": os.getpid(), "seccomp": syscall_filter is not None,
+                      "seccomp_error": seccomp_error, "python_unreadable": unreadable})
     while True:
         try:
             message, fds = recv_packet(ctl)
@@ -347,81 +383,166 @@ def zygote_main(ctl_fd: int) -> None:
         if op == "session":  # a measured session: timer.py forks its processes and keeps the clock
             from svc_sandbox import timer
 
-            timer.serve(ctl, message, fds, identity)
+            timer.serve(ctl, message, fds, identity, syscall_filter, harness)
             continue
         if op not in ("exec", "run"):
             send_packet(ctl, {"error": f"unknown op {op!r}"})
             continue
         job = message["job"]
         job_fd = fds[0] if fds else None
-        job_identity = identity if job.get("drop_privileges", True) else {"uid": None, "gid": None}
+        read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            code = 70
-            try:
-                ctl.close()
-                enter_sandbox(job, job_identity, job_fd)
-                if op == "exec":
-                    os.execve(job["argv"][0], job["argv"], os.environ)
-                else:
-                    code = harness.main(socket.socket(fileno=JOB_FD), job["spec"])
-            except BaseException as err:  # noqa: BLE001 - anything here is the child's failure
-                with contextlib.suppress(Exception):
-                    os.write(2, f"sandbox: {type(err).__name__}: {err}\n".encode())
-                code = 127 if op == "exec" else 70
-            finally:
-                os._exit(code)
+            ctl.close()
+            os.close(read)
+            _run_child(op, job, identity, job_fd, write, syscall_filter, harness)
+        os.close(write)
         if job_fd is not None:
             os.close(job_fd)
+        failure = _read_all(read)
+        if failure:
+            _kill_everything(pid, identity)
+            send_packet(ctl, {"setup_error": failure})
+            continue
         send_packet(ctl, {"pid": pid})
-        send_packet(ctl, {"exit": _supervise(ctl, pid, job, job_identity)})
+        send_packet(ctl, {"exit": _supervise(ctl, pid, job, identity)})
+
+
+def _read_all(fd: int) -> str:
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks).decode(errors="replace").strip()
 
 
 # --------------------------------------------------------------------------------------
 # In the service: one Zygote per worker slot.
 
 
+def read_job_file(path: str | os.PathLike, limit: int = 1 << 20) -> str:
+    """The text of a file in a job directory, read by the service ("" when it is not a
+    regular file there). The candidate owns its job directory and may have swapped the file
+    for a symlink (the service would read the host's /etc/shadow or its own environment as
+    root) or a FIFO (the service would wait forever): neither is followed or opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        chunks, left = [], limit
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks).decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
 class SandboxUnavailable(RuntimeError):
-    """The zygote could not be started or died; the job did not run."""
+    """The zygote could not be started, died, or could not set a job up; the job did not run
+    (an infrastructure failure: never a verdict, never cached)."""
+
+
+class JobCancelled(RuntimeError):
+    """The job's caller cancelled it (the client went away, its deadline passed, or the
+    service is stopping); its process was killed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sandboxing:
+    """How a slot's zygote is confined: the command that starts it inside its sandbox
+    (bwrap and its arguments; empty: started bare), and whether children load the filter."""
+
+    command: tuple[str, ...] = ()
+    seccomp: bool = True
+
+
+# The zygote's whole environment: nothing of the service's (no token, no credentials).
+PASSED_VARIABLES = ("CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES",
+                    "NVIDIA_DRIVER_CAPABILITIES")
+
+
+def zygote_environment(threads: int, config: dict[str, Any]) -> dict[str, str]:
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {"PATH": os.pathsep.join(dict.fromkeys([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"])),
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/nonexistent", "PYTHONPATH": root,
+           "PYTHONDONTWRITEBYTECODE": "1", "LEAP_SANDBOX_ZYGOTE": json.dumps(config)}
+    # NumPy's BLAS sizes its pool at import: the reference gets what a candidate gets.
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(threads)
+    env.update({name: os.environ[name] for name in PASSED_VARIABLES if name in os.environ})
+    return env
 
 
 class Zygote:
-    """The service's handle on one zygote process. Not thread-safe: one worker uses it."""
+    """The service's handle on one zygote process. One worker thread uses it; `cancel` and
+    `close` may come from any thread."""
 
-    def __init__(self, slot: int, uid: int | None, network_isolation: bool, log: Any, threads: int = 1):
+    def __init__(self, slot: int, uid: int | None, log: Any, threads: int = 1,
+                 sandboxing: Sandboxing = Sandboxing(seccomp=False)):
         self.slot = slot
         self.threads = threads
         self.uid = uid
-        self.network_isolation = network_isolation
+        self.sandboxing = sandboxing
         self.log = log
         self.process: subprocess.Popen | None = None
         self.ctl: socket.socket | None = None
-        self.netns = False
-        self.netns_reason = ""
+        self.seccomp = False  # whether children load the syscall filter (from the zygote's hello)
+        self.seccomp_error = ""
         self.python_unreadable = ""  # parts of the Python install the slot's uid cannot read
         self.preloaded: set[str] = set()
+        self.closed = False  # closed for good (the service is stopping): never started again
+        self._lock = threading.Lock()
+        self._cancelled = False
 
     def start(self, timeout: float = 120.0) -> None:
+        if self.closed:
+            raise SandboxUnavailable(f"sandbox worker {self.slot} is stopping")
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        config = {"uid": self.uid, "gid": self.uid, "network_isolation": self.network_isolation}
-        threads = str(self.threads)  # NumPy's BLAS sizes its pool at import: the reference gets what a candidate gets
-        env = dict(os.environ, LEAP_SANDBOX_ZYGOTE=json.dumps(config), OMP_NUM_THREADS=threads,
-                   OPENBLAS_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        self.process = subprocess.Popen([sys.executable, "-m", "svc_sandbox.zygote", str(child.fileno())],
-                                        pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
-        child.close()
+        config = {"uid": self.uid, "gid": self.uid, "seccomp": self.sandboxing.seccomp}
+        command = [*self.sandboxing.command, *(("--chdir", "/") if self.sandboxing.command else ()),
+                   sys.executable, "-m", "svc_sandbox.zygote", str(child.fileno())]
+        try:
+            self.process = subprocess.Popen(command, pass_fds=[child.fileno()], env=zygote_environment(self.threads, config),
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                            start_new_session=True)
+        except OSError as err:
+            parent.close()
+            raise SandboxUnavailable(f"sandbox worker {self.slot} did not start: {command[0]}: {err.strerror}") from None
+        finally:
+            child.close()
         self.ctl = parent
         self.preloaded = set()
         try:
             hello, _ = recv_packet(parent, timeout=timeout)
         except WireError as err:
+            why = self._stderr() or str(err)
             self.close()
-            raise SandboxUnavailable(f"sandbox worker {self.slot} did not start: {err}") from None
-        self.netns, self.netns_reason = bool(hello.get("netns")), str(hello.get("netns_reason", ""))
+            raise SandboxUnavailable(f"sandbox worker {self.slot} did not start: {why}") from None
+        threading.Thread(target=self._drain_stderr, args=(self.process,), daemon=True).start()
+        self.seccomp, self.seccomp_error = bool(hello.get("seccomp")), str(hello.get("seccomp_error", ""))
         self.python_unreadable = str(hello.get("python_unreadable", ""))
+
+    def _stderr(self) -> str:
+        """What a zygote that failed to start printed (bwrap says why it could not confine)."""
+        if self.process is None or self.process.stderr is None:
+            return ""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+        text = self.process.stderr.read(4096).decode(errors="replace") if self.process.poll() is not None else ""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+    def _drain_stderr(self, process: subprocess.Popen) -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            self.log.warning("sandbox worker says", slot=self.slot, line=line.decode(errors="replace").rstrip()[:500])
 
     @property
     def alive(self) -> bool:
@@ -441,20 +562,49 @@ class Zygote:
             return {}
         self.ensure()
         assert self.ctl is not None
-        send_packet(self.ctl, {"op": "preload", "modules": wanted})
-        reply, _ = recv_packet(self.ctl, timeout=300)
+        try:
+            send_packet(self.ctl, {"op": "preload", "modules": wanted})
+            reply, _ = recv_packet(self.ctl, timeout=300)
+        except WireError as err:
+            self.close()
+            raise SandboxUnavailable(f"sandbox worker {self.slot} failed: {err}") from None
         self.preloaded.update(m for m in wanted if m not in reply.get("errors", {}))
         return dict(reply.get("errors", {}))
+
+    # -------------------------------------------------------------- cancellation
+
+    def begin_job(self) -> None:
+        """A new job of the pool starts on this zygote: earlier cancellations are spent."""
+        with self._lock:
+            self._cancelled = False
+
+    def cancel(self) -> None:
+        """Kill the running job at once, and refuse to start another until `begin_job`; the
+        worker's calls then raise JobCancelled. Safe from any thread."""
+        with self._lock:
+            self._cancelled = True
+            if self.ctl is not None:
+                with contextlib.suppress(WireError, OSError):
+                    send_packet(self.ctl, {"op": "kill"})
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
 
     def _submit(self, op: str, job: dict[str, Any], fds: list[int]) -> int:
         self.ensure()
         assert self.ctl is not None
         try:
-            send_packet(self.ctl, {"op": op, "job": job}, fds)
+            with self._lock:  # a cancel either comes before (and nothing starts) or after the job's op
+                if self._cancelled:
+                    raise JobCancelled(f"sandbox worker {self.slot}: the job was cancelled")
+                send_packet(self.ctl, {"op": op, "job": job}, fds)
             reply, _ = recv_packet(self.ctl, timeout=60)
         except WireError as err:
             self.close()
             raise SandboxUnavailable(f"sandbox worker {self.slot} failed: {err}") from None
+        if "setup_error" in reply:
+            raise SandboxUnavailable(f"sandbox worker {self.slot} could not set the job up: {reply['setup_error']}")
         if "pid" not in reply:
             raise SandboxUnavailable(f"sandbox worker {self.slot}: {reply.get('error', reply)}")
         return int(reply["pid"])
@@ -465,8 +615,13 @@ class Zygote:
             reply, _ = recv_packet(self.ctl, timeout=grace)
         except WireError as err:
             self.close()
+            if self._cancelled:
+                raise JobCancelled(f"sandbox worker {self.slot}: the job was cancelled") from None
             raise SandboxUnavailable(f"sandbox worker {self.slot} failed: {err}") from None
-        return ExitInfo(**reply["exit"])
+        exit = ExitInfo(**reply["exit"])
+        if self._cancelled:  # killed for its caller: no verdict (and nothing cached) from it
+            raise JobCancelled(f"sandbox worker {self.slot}: the job was cancelled")
+        return exit
 
     def kill(self) -> None:
         """Ask the zygote to kill the running job (it answers through _wait)."""
@@ -483,35 +638,43 @@ class Zygote:
     def run(self, spec: dict[str, Any], cwd: str, env: dict[str, str], limits: Limits, log: str,
             drop_privileges: bool = True):
         """Start the harness on `spec` in the sandbox; yield a RunHandle to talk to it.
-        `drop_privileges=False` keeps the service's user (see Evaluator.kernelbench_uid)."""
+        Every job runs as the slot's uid: `drop_privileges` is accepted for the callers
+        that still pass it and has no effect."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._submit("run", {"spec": spec, "cwd": cwd, "env": env, "limits": limits.as_dict(), "log": log,
-                                 "drop_privileges": drop_privileges}, [theirs.fileno()])
+            self._submit("run", {"spec": spec, "cwd": cwd, "env": env, "limits": limits.as_dict(), "log": log},
+                         [theirs.fileno()])
         finally:
             theirs.close()
         handle = RunHandle(self, ours, limits)
         try:
             yield handle
         finally:
-            handle.finish()
+            if handle.failure is None:
+                handle.finish()
 
     @contextlib.contextmanager
     def session(self, candidate: dict[str, Any], reference: dict[str, Any] | None, memfds: list[int]):
         """Start a measured session (timer.py): the candidate's harness and, when given, a
         reference process, each a job like `run`'s ({"spec", "cwd", "env", "limits", "log",
-        "drop_privileges"}), with the memfds of their regions (the candidate's first). Yields
-        the timer.SessionLink that commands it; the session is ended on the way out."""
+        "drop_privileges": the reference keeps the zygote's own user where it can}), with the
+        memfds of their regions (the candidate's first). Yields the timer.SessionLink that
+        commands it; the session is ended on the way out."""
         from svc_sandbox.timer import SessionLink
 
         self.ensure()
         assert self.ctl is not None
         try:
-            send_packet(self.ctl, {"op": "session", "candidate": candidate, "reference": reference}, memfds)
+            with self._lock:  # as in _submit: a cancel comes before (nothing starts) or after
+                if self._cancelled:
+                    raise JobCancelled(f"sandbox worker {self.slot}: the job was cancelled")
+                send_packet(self.ctl, {"op": "session", "candidate": candidate, "reference": reference}, memfds)
             reply, _ = recv_packet(self.ctl, timeout=60)
         except WireError as err:
             self.close()
             raise SandboxUnavailable(f"sandbox worker {self.slot} failed: {err}") from None
+        if "setup_error" in reply:
+            raise SandboxUnavailable(f"sandbox worker {self.slot} could not set the session up: {reply['setup_error']}")
         if "pids" not in reply:
             raise SandboxUnavailable(f"sandbox worker {self.slot}: {reply.get('error', reply)}")
         link = SessionLink(self, reply["pids"])
@@ -520,18 +683,28 @@ class Zygote:
         finally:
             link.end()
 
-    def close(self) -> None:
-        if self.ctl is not None:
+    def close(self, final: bool = False) -> None:
+        """Stop the zygote and everything in its sandbox (its pid namespace ends with it).
+        `final`: never start it again (the service is stopping). Safe from any thread: a
+        worker blocked on the control socket wakes with an error."""
+        if final:
+            self.closed = True
+        ctl, self.ctl = self.ctl, None
+        if ctl is not None:
             with contextlib.suppress(OSError):
-                self.ctl.close()
-            self.ctl = None
-        if self.process is not None:
-            if self.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
+                ctl.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                ctl.close()
+        process, self.process = self.process, None
+        if process is not None:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(10)
-            self.process = None
+                process.wait(10)
+            if process.stderr is not None:
+                with contextlib.suppress(OSError):
+                    process.stderr.close()
 
 
 class RunHandle:
@@ -542,14 +715,21 @@ class RunHandle:
         self.sock = sock
         self.limits = limits
         self.exit: ExitInfo | None = None
+        self.failure: BaseException | None = None  # why the zygote gave no ExitInfo (cancelled, died)
 
     def finish(self, kill: bool = False) -> ExitInfo:
+        if self.failure is not None:
+            raise self.failure
         if self.exit is None:
             with contextlib.suppress(OSError):
                 self.sock.close()  # the harness sees EOF and exits
             if kill:
                 self.zygote.kill()
-            self.exit = self.zygote._wait(self.limits.wall_seconds + 60)
+            try:
+                self.exit = self.zygote._wait(self.limits.wall_seconds + 60)
+            except (JobCancelled, SandboxUnavailable) as err:
+                self.failure = err  # the zygote answered (or died) once: never wait for a second answer
+                raise
         return self.exit
 
     def kill(self) -> ExitInfo:

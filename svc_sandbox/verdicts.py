@@ -9,7 +9,7 @@ from pathlib import Path
 from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
 from svc_sandbox import checking
-from svc_sandbox.isolation import ExitInfo, Limits, classify
+from svc_sandbox.isolation import ExitInfo, Limits, classify, read_job_file
 
 Stage = common_pb2.Stage
 Flag = sandbox_pb2.VerdictFlag
@@ -18,11 +18,8 @@ MEMORY_MARKERS = ("out of memory", "MemoryError", "DefaultCPUAllocator", "std::b
 
 
 def read_log(path: Path, limit: int = 1 << 20) -> str:
-    try:
-        with open(path, "rb") as file:
-            return file.read(limit).decode(errors="replace")
-    except OSError:
-        return ""
+    """A job's log, never following a link the candidate left in its place."""
+    return read_job_file(path, limit)
 
 
 def trim(verdict: sandbox_pb2.Verdict, text: str, limit: int) -> str:

@@ -6,6 +6,7 @@
 - `training_sequence`: one episode as a learner `Sequence` whose loss mask keeps only the
   tokens the model sampled (every turn's answer; prompt and feedback masked) and whose
   per-token advantage is the advantage of the turn that sampled the token;
+- `learning_batch`: the sequences worth a forward pass, and the loss's normalizer over all;
 - `logprob_gap`: how far the sampler's logprobs are from the learner's recomputation;
 - `rollout_records`: a step's trajectories as JSON lines for people (and tests) to read,
   each turn with its verdict's flags (a flagged rollout is kept, never dropped).
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 from leap.common.v1 import common_pb2
 from leap.evaluation import correct_by_turn
-from leap.learning import Sequence as LearnerSequence
+from leap.learning import Normalizer, Sequence as LearnerSequence
 from leap.reward.v1 import reward_pb2
 from leap.rollouts import Episode, Outcome
 from leap.sandbox.v1 import sandbox_pb2
@@ -90,6 +91,18 @@ def carries_signal(sequence: LearnerSequence) -> bool:
     """Whether any of the model's tokens has a nonzero advantage (else, without a KL term,
     the sequence adds nothing to the gradient and is not worth a forward pass)."""
     return any(m and a != 0 for m, a in zip(sequence.loss_mask, sequence.values["advantages"]))
+
+
+def learning_batch(built: Sequence[tuple[LearnerSequence, list[float]]], kl: bool
+                   ) -> tuple[list[tuple[LearnerSequence, list[float]]], Normalizer]:
+    """The (sequence, sampler logprobs) pairs worth a forward pass, and the normalizer of the
+    loss: the counts of *every* rolled-out sequence. Without a KL term a sequence whose
+    advantages are all 0 adds nothing to the gradient, so it is left out of the passes, but its
+    tokens stay in the token-mean's denominator (and it in seq-mean-token-mean's), as in
+    DESIGN.md and TRL's GRPOTrainer: the loss is the mean over all generated tokens, and its
+    scale does not change from step to step with the share of tied groups."""
+    kept = [(seq, sampler) for seq, sampler in built if kl or carries_signal(seq)]
+    return kept, Normalizer.of([seq for seq, _ in built])
 
 
 def logprob_gap(sequences: Sequence[LearnerSequence], sampler: Sequence[Sequence[float]],

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from leap.common.v1 import common_pb2
 from leap.learning import check_model_dir
-from leap.learning.run_config import fill_optimizer, fill_sampling, optimizer_violations, sampling_violations
+from leap.learning.run_config import (
+    fill_optimizer, fill_sampling, finite, model_name_problem, optimizer_violations, report_to_violations,
+    sampling_violations,
+)
 from leap.reward.v1 import reward_pb2
 from leap.runtime import Violations
 from leap.trainer.v1 import trainer_pb2
@@ -100,6 +103,9 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     problem = check_model_dir(config.model_path)
     check(problem is None, "model_path", problem or "")
     check(config.steps >= 1, "steps", "is required and must be at least 1")
+    if config.policy_model:
+        name_problem = model_name_problem(config.policy_model)
+        check(name_problem is None, "policy_model", name_problem or "")
     check(config.mode in TrainMode.values(), "mode", f"unknown mode {config.mode}")
     check(config.tasks_per_step >= 0, "tasks_per_step", "must be at least 1 (0 means the default, 8)")
     check(config.group_size == 0 or config.group_size >= 2, "group_size",
@@ -109,12 +115,16 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
         check(config.max_turns <= 1, "max_turns", "single-turn mode has one turn; leave max_turns unset or 1")
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
+    report_to_violations(config.report_to, prefix + "report_to", v)
     loss = config.loss
     if loss.HasField("clip_low"):
-        check(0 <= loss.clip_low < 1, "loss.clip_low", "must be in [0, 1)")
+        check(0 <= loss.clip_low < 1, "loss.clip_low", f"must be in [0, 1), got {loss.clip_low!r}")
     if loss.HasField("clip_high"):
-        check(loss.clip_high >= 0, "loss.clip_high", "must not be negative")
-    check(loss.kl_beta >= 0, "loss.kl_beta", "must not be negative")
+        check(finite(loss.clip_high) and loss.clip_high >= 0, "loss.clip_high",
+              f"must be a finite number >= 0, got {loss.clip_high!r}")
+    check(finite(loss.kl_beta) and loss.kl_beta >= 0, "loss.kl_beta", f"must be a finite number >= 0, got {loss.kl_beta!r}")
+    gate_violations(config.gate, prefix + "gate.", v)
+    rank_violations(config.rank, prefix + "rank.", v)
     check(loss.aggregation in LossAggregation.values(), "loss.aggregation", f"unknown aggregation {loss.aggregation}")
     if config.mode == TrainMode.TRAIN_MODE_MULTITURN:
         check(config.gate.mode in (0, GateMode.GATE_MODE_EXPAND_ALL), "gate.mode",
@@ -140,3 +150,32 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
         check(0 <= rounds.alpha <= 1, "rgrpo.alpha", "is a sampling weight relative to uncovered tasks: must be in [0, 1]")
     check(rounds.eval_samples >= 0, "rgrpo.eval_samples", "must be at least 1 (0 means the default, 8)")
     return v
+
+
+def gate_violations(gate: reward_pb2.GateConfig, prefix: str, v: Violations) -> None:
+    """The contract's ranges of the Gate overrides (the reward service is asked too, by a dry
+    run at preflight: what it accepts decides)."""
+    v.check(gate.mode in GateMode.values(), prefix + "mode", f"unknown gate mode {gate.mode}")
+    for name in ("simple_threshold", "expand_budget"):
+        if gate.HasField(name):
+            value = getattr(gate, name)
+            v.check(0 <= value <= 1, prefix + name, f"must be in [0, 1], got {value!r}")
+    if gate.HasField("history_decay"):
+        v.check(0 < gate.history_decay <= 1, prefix + "history_decay", f"must be in (0, 1], got {gate.history_decay!r}")
+    v.check(finite(gate.improve_below_speedup) and gate.improve_below_speedup >= 0, prefix + "improve_below_speedup",
+            f"must be a finite number >= 0 (0 is off), got {gate.improve_below_speedup!r}")
+
+
+def rank_violations(rank: reward_pb2.RankConfig, prefix: str, v: Violations) -> None:
+    """The contract's ranges of the Rank overrides (RankConfig's comments)."""
+    for name in ("speedup_margin", "token_margin"):
+        if rank.HasField(name):
+            value = getattr(rank, name)
+            v.check(finite(value) and value >= 0, prefix + name, f"must be a finite number >= 0, got {value!r}")
+    if rank.HasField("turn_discount"):
+        v.check(0 < rank.turn_discount <= 1, prefix + "turn_discount",
+                f"gamma must be in (0, 1], got {rank.turn_discount!r} (1: every turn gets the trajectory's advantage)")
+    if rank.HasField("failure_penalty"):
+        v.check(finite(rank.failure_penalty) and rank.failure_penalty <= 0, prefix + "failure_penalty",
+                f"must be a finite number <= 0, got {rank.failure_penalty!r}")
+    v.check(rank.method in reward_pb2.RewardMethod.values(), prefix + "method", f"unknown reward method {rank.method}")

@@ -33,17 +33,18 @@ from pathlib import Path
 import grpc
 
 from leap.clients import connect
-from leap.clients.retry import Patience, ServiceUnavailable, with_retries
+from leap.clients.retry import Patience, ServiceUnavailable, refusal, with_retries
 from leap.clients.weights import push_weights
 from leap.evaluation import evaluate
 from leap.learning import checkpoint as ckpt
-from leap.learning import Learner, LearnerSettings, OptimizerSettings, with_values
+from leap.learning import Learner, LearnerSettings, NonFiniteError, OptimizerSettings, with_values
 from leap.learning.data import draw_tasks
 from leap.learning.metrics import DEFAULT_PANELS, plot_metrics
 from leap.learning.registry import RunContext, RunFailure
 from leap.policy.v1 import policy_pb2
 from leap.reward.v1 import reward_pb2
 from leap.rollouts import Endpoints, Episode, Rollouts, derive_seed
+from leap.runtime.errors import error_reasons
 from leap.sandbox.v1 import sandbox_pb2
 from leap.tokenization import tokenizer_fingerprint
 from leap.trainer.v1 import trainer_pb2
@@ -51,7 +52,7 @@ from leap.union import UNION_FILE, Teacher, TeacherUnion, toolchain_name
 from svc_trainer import batch as batching
 from svc_trainer import rgrpo
 from svc_trainer.losses import SEQ_MEAN_TOKEN_MEAN, TOKEN_MEAN, GrpoLossConfig, GrpoObjective
-from svc_trainer.metrics import rollout_metrics
+from svc_trainer.metrics import rollout_metrics, zero_spread_share
 
 TrainMode = trainer_pb2.TrainMode
 GateMode = reward_pb2.GateMode
@@ -68,6 +69,7 @@ class JobSettings:
     service_retry_seconds: float = 60.0
     keep_checkpoints: int = 3
     rollout_log: str = "text"  # "off", "text" (answers, verdicts, rewards) or "tokens" (and token ids)
+    no_signal_warning_steps: int = 3  # warn after this many steps in a row where every group tied; 0: never
 
 
 @dataclasses.dataclass
@@ -100,7 +102,7 @@ class Services:
     async def call(self, service: str, method: str, request):
         stub = getattr(self, service)
         return await with_retries(lambda: getattr(stub, method)(request), service, getattr(self.addresses, service),
-                                  self.patience)
+                                  self.patience, method)
 
     async def close(self) -> None:
         for stub in (self.policy, self.sandbox, self.reward):
@@ -114,38 +116,61 @@ def decisions_of(reply: reward_pb2.GateResponse, groups: int) -> Sequence[reward
     return reply.decisions
 
 
+def gate_key(run_id: str, step: int, group: int | None = None) -> str:
+    """The idempotency key of a step's Gate call (one per group, or one for the step in
+    adaptive mode): the same on every attempt of the step, so a step played again after a
+    kill or a resume is not counted twice in the reward service's task history."""
+    return f"trainer/{run_id}/step-{step}" + ("" if group is None else f"/group-{group}")
+
+
 class GroupGate:
     """Gates each group as soon as its first turns are judged: one Gate call per group, or,
-    in adaptive mode, one call for the whole step (the expansion budget is per call)."""
+    in adaptive mode, one call for the whole step (the expansion budget is per call). Each
+    call carries an idempotency key of (run, step, group): a replayed step gets the stored
+    decisions of its first attempt (the same decisions, when its rollouts are the same, which
+    seeded sampling makes them), and one whose rollouts differ (a policy that restarted with
+    other weights) is decided as a dry run, since its first attempt already counted."""
 
-    def __init__(self, services: Services, config: reward_pb2.GateConfig, groups: int):
+    def __init__(self, services: Services, config: reward_pb2.GateConfig, groups: int, run_id: str = "", step: int = 0):
         self.services = services
         self.config = config
         self.batched = config.mode == GateMode.GATE_MODE_ADAPTIVE
         self.expected = groups
+        self.run_id = run_id
+        self.step = step
         self.arrived: dict[int, reward_pb2.GateGroup] = {}
         self.futures: dict[int, asyncio.Future] = {}
         self.summaries: list[reward_pb2.GateSummary] = []
 
+    async def call(self, groups: Sequence[reward_pb2.GateGroup], index: int | None) -> reward_pb2.GateResponse:
+        key = gate_key(self.run_id, self.step, index) if self.run_id else ""
+        request = reward_pb2.GateRequest(groups=groups, config=self.config, idempotency_key=key)
+        try:
+            reply = await self.services.call("reward", "Gate", request)
+        except grpc.aio.AioRpcError as err:
+            if not (key and err.code() == grpc.StatusCode.FAILED_PRECONDITION and "IDEMPOTENCY_KEY_REUSED" in error_reasons(err)):
+                raise
+            request.ClearField("idempotency_key")
+            request.dry_run = True
+            reply = await self.services.call("reward", "Gate", request)
+        self.summaries.append(reply.summary)  # a replay's too: the killed attempt never reported its step
+        return reply
+
     async def decide(self, index: int, group: reward_pb2.GateGroup) -> reward_pb2.GateDecision:
         if not self.batched:
-            reply = await self.services.call("reward", "Gate", reward_pb2.GateRequest(groups=[group], config=self.config))
-            self.summaries.append(reply.summary)
-            return decisions_of(reply, 1)[0]
+            return decisions_of(await self.call([group], index), 1)[0]
         self.arrived[index] = group
         self.futures[index] = asyncio.get_running_loop().create_future()
         if len(self.arrived) == self.expected:
             order = sorted(self.arrived)
-            request = reward_pb2.GateRequest(groups=[self.arrived[i] for i in order], config=self.config)
             try:
-                reply = await self.services.call("reward", "Gate", request)
+                reply = await self.call([self.arrived[i] for i in order], None)
                 decisions = decisions_of(reply, len(order))
             except BaseException as err:
                 for i in order:  # the other groups' waits fail too; this one raises it itself
                     if i != index and not self.futures[i].done():
                         self.futures[i].set_exception(err)
                 raise
-            self.summaries.append(reply.summary)
             for i, decision in zip(order, decisions):
                 self.futures[i].set_result(decision)
         return await self.futures[index]
@@ -175,15 +200,18 @@ class Progress:
     cursor: int = 0  # training tasks drawn so far
     evaluations: int = 0  # sandbox evaluations of training rollouts so far
     train_seconds: float = 0.0  # wall seconds of training steps so far (evaluation excluded)
+    flat_steps: int = 0  # steps in a row, up to this one, where every group tied (no learning signal)
 
     def to_json(self) -> dict:
-        return {"cursor": self.cursor, "evaluations": self.evaluations, "train_seconds": self.train_seconds}
+        return {"cursor": self.cursor, "evaluations": self.evaluations, "train_seconds": self.train_seconds,
+                "flat_steps": self.flat_steps}
 
     @classmethod
     def from_state(cls, state: dict) -> Progress:
         extra = state.get("extra", {})
         return cls(step=int(state["step"]), cursor=int(state["cursor"].get("tasks", 0)),
-                   evaluations=int(extra.get("evaluations", 0)), train_seconds=float(extra.get("train_seconds", 0.0)))
+                   evaluations=int(extra.get("evaluations", 0)), train_seconds=float(extra.get("train_seconds", 0.0)),
+                   flat_steps=int(extra.get("flat_steps", 0)))
 
 
 class TrainingJob:
@@ -200,6 +228,8 @@ class TrainingJob:
             asyncio.run(self.main(ctx))
         except ServiceUnavailable as err:
             raise RunFailure(str(err)) from err
+        except grpc.RpcError as err:  # a service refused a call: say which, what and why, not the error's repr
+            raise RunFailure(refusal(err)) from err
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -308,6 +338,7 @@ class TrainingJob:
                 progress.train_seconds += values["time/step_s"]
                 values.update({"sandbox/evaluations_total": progress.evaluations, "time/train_total_s": progress.train_seconds})
                 ctx.emit("train", step, values)
+                self.watch_signal(ctx, step, values["reward/zero_spread_share"], progress)
                 if self.evaluation_due(step, last):
                     await self.evaluate(ctx, session, progress)
                 if step % c.checkpoint_every == 0 or step == last or ctx.stop_requested():
@@ -319,6 +350,20 @@ class TrainingJob:
                 self.save(ctx, session.learner, progress)
             raise
         return True
+
+    def watch_signal(self, ctx: RunContext, step: int, zero_spread: float, progress: Progress) -> None:
+        """A `warning` event (and a log line) when every group of the last N steps tied: the
+        run trains on nothing. The run goes on: the warning says so, it does not decide. The
+        streak is in the checkpoint, so a resumed run counts on."""
+        flat = progress.flat_steps = progress.flat_steps + 1 if zero_spread >= 1.0 else 0
+        every = self.settings.no_signal_warning_steps
+        if every <= 0 or flat == 0 or flat % every:
+            return
+        message = (f"no learning signal: every group's rewards tied for the last {flat} steps (steps "
+                   f"{step - flat + 1}-{step}), so no update moved the weights. The model may never pass (or always "
+                   "pass) these tasks; check the rollouts log, the tasks, or warm-start the model")
+        ctx.log.warning("no learning signal", step=step, steps=flat)
+        ctx.emit("warning", step, {"reward/zero_spread_share": zero_spread, "steps": float(flat)}, message)
 
     def evaluation_due(self, step: int, last: int) -> bool:
         return bool(self.config.eval_every and step % self.config.eval_every == 0) or step == last
@@ -401,7 +446,7 @@ class TrainingJob:
         state = learner.full_state_dict()
         self.version += 1
         reply = await with_retries(lambda: push_weights(services.policy, self.config.policy_model, self.version, state),
-                                   "policy", services.addresses.policy, self.patience)
+                                   "policy", services.addresses.policy, self.patience, "the weight update")
         self.version = reply.version
         return time.perf_counter() - started
 
@@ -422,7 +467,7 @@ class TrainingJob:
         rollouts.generate_clock.take()  # count this step's busy time only
         rollouts.evaluate_clock.take()
         evaluations = rollouts.evaluations
-        gate = GroupGate(services, self.config.gate, len(tasks))
+        gate = GroupGate(services, self.config.gate, len(tasks), ctx.run_id, step)
         groups = await asyncio.gather(*(self.play_group(step, i, task, rollouts, gate) for i, task in enumerate(tasks)))
         stale = sum(t.weight_version != self.version for g in groups for e in g.episodes for t in e.turns)
         if stale:
@@ -436,13 +481,17 @@ class TrainingJob:
         values["sandbox/evaluations"] = float(rollouts.evaluations - evaluations)
         values["sandbox/evaluations_saved"] = float(gate.evaluations_saved())
         values.update(self.reward_stats(ranked))
+        values["reward/zero_spread_share"] = zero_spread_share([[t.reward for t in r.trajectories] for r in ranked.results])
         values.update({
             "time/generate_s": rollouts.generate_clock.take(), "time/evaluate_s": rollouts.evaluate_clock.take(),
             "time/rollout_s": rollout_seconds,
             "tokens/generated": float(sum(len(t.completion_ids) for g in groups for e in g.episodes for t in e.turns)),
         })
         session.learning = True  # from here until the update lands, the learner holds no step's state
-        values.update(self.learn(groups, ranked, learner))
+        try:
+            values.update(self.learn(groups, ranked, learner))
+        except NonFiniteError as err:  # nothing of this update is pushed or checkpointed
+            raise RunFailure(err.sentence(step, self.config.optimizer)) from None
         session.learning = False
         return values
 
@@ -492,7 +541,7 @@ class TrainingJob:
                  for group, result in zip(groups, ranked.results)
                  for episode, trajectory in zip(group.episodes, result.trajectories)]
         kl = self.config.loss.kl_beta > 0
-        kept = [(seq, sampler) for seq, sampler in built if kl or batching.carries_signal(seq)]
+        kept, normalizer = batching.learning_batch(built, kl)
         values = {"sequences/rolled_out": float(len(built)), "sequences/trained": float(len(kept))}
         if not kept:  # every group tied: no gradient this step
             return values | {"time/learn_s": time.perf_counter() - started}
@@ -502,7 +551,8 @@ class TrainingJob:
         columns = {"old_logprobs": old}
         if kl:
             columns["ref_logprobs"] = learner.logprobs(sequences, reference=True)
-        stats = learner.train_step(with_values(sequences, **columns), GrpoObjective(self.loss_config()))
+        stats = learner.train_step(with_values(sequences, **columns), GrpoObjective(self.loss_config()),
+                                   normalizer=normalizer)
         values.update({k: v for k, v in stats.items() if k != "seconds"})
         values["tokens/trained"] = values.pop("tokens", 0.0)
         values["time/learn_s"] = time.perf_counter() - started

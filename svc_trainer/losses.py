@@ -13,7 +13,11 @@ prompt and feedback tokens never carry a gradient.
 
 `normalizer` lets a learner accumulate gradients over micro-batches (and ranks) and still get
 the mean of the *whole* batch: pass the batch's total token count (token-mean) or sequence
-count (seq-mean-token-mean) and sum the micro-batch losses.
+count (seq-mean-token-mean) and sum the micro-batch losses. The whole batch is every
+generated sequence of the step: the trainer leaves zero-advantage sequences out of the
+forward pass (they carry no gradient without a KL term) but counts them in the normalizer,
+so the loss is the mean over all generated tokens, as in TRL's GRPOTrainer, and its scale
+does not depend on how many groups tied (`svc_trainer.batch.learning_batch`).
 """
 
 from __future__ import annotations
@@ -137,7 +141,8 @@ def grpo_loss(
             "ratio_mean": mean(ratio),
             "ratio_min": kept_ratio.min() if kept_ratio.numel() else torch.tensor(1.0),
             "ratio_max": kept_ratio.max() if kept_ratio.numel() else torch.tensor(1.0),
-            # k1 and k3 estimates of KL(pi_old || pi): how far this pass moved from the sampler
+            # k1 estimate of KL(pi_old || pi), mean of log pi_old - log pi over the tokens pi_old
+            # sampled: how far this pass has moved from the weights that sampled the batch
             "approx_kl_old": mean(-log_ratio),
             "advantage_mean": mean(advantages),
             "tokens": tokens.to(torch.float32),

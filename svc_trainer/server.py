@@ -36,6 +36,9 @@ class TrainerConfig(RunServiceConfig):
     reward_address: str = option(local_address("reward"), "RewardService target of runs that leave services.reward empty.")
     rollout_log: str = option("text", "Per step, write every trajectory to rollouts/step-N.jsonl in the run's directory: "
                               "off, text (answers, verdicts, rewards) or tokens (also token ids and sampler logprobs).")
+    no_signal_warning_steps: int = option(3, "Emit a `warning` event (and log it) when every group's rewards tied for "
+                                          "this many steps in a row (reward/zero_spread_share 1: nothing to learn "
+                                          "from); 0 turns the warning off. The run carries on either way.")
 
     def __post_init__(self) -> None:
         # Checked when the settings are loaded, so a bad value stops `leap serve` with one line.
@@ -58,9 +61,9 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.ServiceAddresses(policy=s.policy_address, sandbox=s.sandbox_address, reward=s.reward_address)
 
     async def prepare_config(self, config: trainer_pb2.RunConfig) -> tuple[trainer_pb2.RunConfig, int]:
-        run_config.violations(config).raise_if_any()
+        found = run_config.violations(config)  # reported with what the services say, in one error
         filled = run_config.with_defaults(config, self.default_services())
-        filled = await preflight(filled, timeout=self.settings.preflight_timeout_seconds)
+        filled = await preflight(filled, timeout=self.settings.preflight_timeout_seconds, v=found)
         return filled, run_config.total_steps(filled)
 
     async def GetTeacherUnion(self, request, context):
@@ -84,7 +87,8 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
         s = self.settings
         return TrainingJob(self.config_of(record), JobSettings(device=s.device, service_retry_seconds=s.service_retry_seconds,
                                                                keep_checkpoints=s.keep_checkpoints,
-                                                               rollout_log=s.rollout_log))
+                                                               rollout_log=s.rollout_log,
+                                                               no_signal_warning_steps=s.no_signal_warning_steps))
 
 
 def build(config: TrainerConfig) -> Service:

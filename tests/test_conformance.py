@@ -77,15 +77,26 @@ def test_command_exits_one_when_a_check_fails(own_services, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-def test_auth_token_reaches_every_call(monkeypatch):
+def test_auth_token_reaches_every_call(monkeypatch, tmp_path):
     from svc_reward.server import SPEC, RewardConfig
 
     monkeypatch.delenv("LEAP_AUTH_TOKEN", raising=False)
     config = RewardConfig(port=free_port(), history_path="", auth_token="s3cret", drain_seconds=0.0)
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
     with BackgroundServer(SPEC.build(config), config) as server:
         without_token = failures(check_service("reward", server.address))
-        assert main(["conformance", "reward", server.address, "--auth-token", "s3cret"]) == 0
+        assert main(["conformance", "reward", server.address, "--auth-token-file", str(token_file)]) == 0
+        monkeypatch.setenv("LEAP_AUTH_TOKEN", "s3cret")
+        assert main(["conformance", "reward", server.address]) == 0
     assert without_token and all(r.why.startswith("UNAUTHENTICATED") for r in without_token)
+
+
+def test_a_token_on_the_command_line_is_refused_with_the_reason(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["conformance", "reward", "127.0.0.1:1", "--auth-token", "s3cret"])
+    assert exit.value.code == 2
+    assert "cmdline" in capsys.readouterr().err
 
 
 def test_unknown_service_is_one_friendly_line(capsys):
@@ -186,4 +197,28 @@ def test_a_sandbox_that_reports_failing_kernels_as_errors_fails_the_sandbox_suit
         results = outcomes(check_service("sandbox", address))
     outcome, why = results["a broken example is a verdict below STAGE_PASSED in a successful response"]
     assert outcome is Outcome.FAIL and why.startswith("INVALID_ARGUMENT")
+    assert results["a task's own solution evaluates to STAGE_PASSED"][0] is Outcome.PASS
+
+
+def test_a_sandbox_that_compiles_unfenced_responses_fails_the_fence_check(tmp_path):
+    """What Candidate.source's comment used to promise (the whole text when there is no fence)
+    against what the contract says now (STAGE_FORMAT without raw_source). The real sandbox
+    servicer, with only its Evaluate wrapped to take unfenced text as code."""
+    from leap.sandbox.v1 import sandbox_pb2_grpc
+    from svc_sandbox.server import SandboxConfig, SandboxServicer
+
+    servicer = SandboxServicer(SandboxConfig(workers=1, cache_dir=str(tmp_path / "cache")))
+    real_evaluate = servicer.Evaluate
+
+    async def whole_text_without_a_fence(request, context):
+        if "```" not in request.candidate.source:
+            request.options.raw_source = True
+        return await real_evaluate(request, context)
+
+    servicer.Evaluate = whole_text_without_a_fence
+    with serving("sandbox", servicer, sandbox_pb2_grpc.add_SandboxServiceServicer_to_server,
+                 on_start=servicer.on_start, on_stop=servicer.on_stop) as address:
+        results = outcomes(check_service("sandbox", address))
+    outcome, why = results["a response without a fenced code block stops at STAGE_FORMAT unless options.raw_source"]
+    assert outcome is Outcome.FAIL and "STAGE_PASSED (STAGE_FORMAT expected" in why
     assert results["a task's own solution evaluates to STAGE_PASSED"][0] is Outcome.PASS

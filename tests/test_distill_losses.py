@@ -124,3 +124,14 @@ def test_a_teacher_that_did_not_score_an_example_is_left_out_of_its_kl():
     assert stats["teacher_share/1"].item() == pytest.approx(0.5)
     # over its own tokens (example 1): mean(s - l_1) = mean(1, 0)
     assert stats["kl_teacher_sum/1"].item() / stats["teacher_share/1"].item() == pytest.approx(0.5)
+
+
+def test_teacher_logprobs_are_a_detached_target():
+    # Teacher scores that arrive with a graph (an in-process teacher) must not be trained:
+    # the gradient reaches the student only, and the same as for plain floats.
+    teachers = TEACHERS.clone().requires_grad_(True)
+    s = student()
+    loss, _ = tu_opd_loss(teachers, s, torch.ones(1, 2), QUALITY, TuOpdConfig())
+    loss.backward()
+    assert teachers.grad is None
+    assert torch.allclose(s.grad, torch.tensor([[0.3, 0.0]]))

@@ -142,6 +142,11 @@ def refused(distill, config) -> dict[str, str]:
     (dict(eval_tasks=["relu"]), "config.eval_tasks", "held-out"),
     (dict(teachers=[distill_pb2.TeacherEndpoint(name="teacher-1")] * 2), "config.teachers[1].name", "twice"),
     (dict(teacher_union_path=""), "config.teacher_union_path", "required"),
+    (dict(report_to=["mlflow", "neptune"]), "config.report_to[1]", "must be one of mlflow, wandb, trackio"),
+    (dict(samples_per_example=100), "config.samples_per_example", "allows at most 64"),  # the policy's limit, asked
+    (dict(sampling=common_pb2.RolloutSampling(max_new_tokens=5000)), "config.sampling.max_new_tokens", "context of"),
+    (dict(student_model="../student"), "config.student_model", "path separators"),
+    (dict(optimizer=common_pb2.OptimizerConfig(learning_rate=float("inf"))), "config.optimizer.learning_rate", "(0, 1]"),
 ])
 def test_bad_fields_are_refused_with_the_field_named(distill, models, changes, field, words):
     assert words in refused(distill, run_config(models, **changes))[field]

@@ -28,6 +28,7 @@ def leap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     (["demo", "--steps", "0"], "--steps must be at least 1"),
     (["demo", "--group-size", "1"], "--group-size must be at least 2"),
     (["demo", "--model", "/no/such/model"], "--model: '/no/such/model' is not a directory"),
+    (["demo", "--report-to", "mlflow,neptune"], "unknown tracker 'neptune': must be one of mlflow, wandb, trackio"),
     (["dcp-experiment", "--modes", "leap,fast"], "--modes: choose from leap, multiturn, single"),
     (["expand-compress", "--ablations", "crd,magic"], "--ablations: choose from crd, consensus"),
     (["expand-compress", "--rounds", "0"], "--rounds must be at least 1"),
@@ -39,8 +40,8 @@ def test_a_mistyped_option_is_one_friendly_line(args, words):
 
 
 @pytest.mark.slow
-def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path):
-    done = leap("demo", "--model", str(tiny_model_dir), "--out", str(tmp_path), *SMALL)
+def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path, monkeypatch):
+    done = leap("demo", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--report-to", "mlflow", *SMALL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     for key in ("train_tasks", "held_out"):
@@ -51,6 +52,29 @@ def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path):
     text = (tmp_path / "report.txt").read_text()
     assert "training tasks, fresh samples" in text and "held-out tasks" in text and str(run_dir) in text
     assert text in done.stdout
+
+    # The same run in MLflow's local store (the trainer's runs directory), read back with MLflow's client.
+    from mlflow.tracking import MlflowClient
+
+    (tracked,) = [line for line in report["trackers"] if line.startswith("mlflow:")]
+    assert "MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file:" in tracked and "reported to mlflow:" in text
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the report says, to read MLflow 3's file store
+    client = MlflowClient(tracking_uri=(run_dir.parent / "mlruns").resolve().as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "leap"]
+    (run,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`leap.run_id` = '{report['run_id']}'")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
+    first_turn = {e["step"]: e["values"]["train_tasks/pass_at_1/turn_1"] for e in events
+                  if e["kind"] == "eval" and "train_tasks/pass_at_1/turn_1" in e["values"]}
+    history = client.get_metric_history(run.info.run_id, "eval/train_tasks/pass_at_1/turn_1")
+    assert {m.step: m.value for m in history} == first_turn and set(first_turn) == {0, 1}
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1]
+    assert run.data.params["group_size"] == "2" and run.info.status == "FINISHED"
+    assert "metrics.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+    # Every service's log, the trainer's with its model loads and checkpoints, is JSON lines only.
+    for log in (tmp_path / "stack" / "logs").glob("*.log"):
+        for number, line in enumerate(log.read_text().splitlines(), 1):
+            assert line.startswith("{") and json.loads(line), f"{log.name}:{number} is not JSON: {line[:200]}"
 
 
 @pytest.mark.slow

@@ -323,3 +323,35 @@ def test_two_processes_with_fsdp_agree_with_one(model_dir, tmp_path):
     distributed = torch.load(out / "weights.pt")
     reference = single.full_state_dict()
     assert all(torch.allclose(distributed[k], reference[k], atol=1e-5) for k in reference)
+
+
+# --- non-finite updates -----------------------------------------------------------------------
+
+
+def nan_loss(logprobs, batch, normalizer, entropy):
+    loss = (logprobs * batch.loss_mask).sum() / normalizer.tokens
+    return loss * float("nan"), {"loss": float("nan")}
+
+
+@pytest.mark.parametrize("case", ["nan loss", "infinite learning rate"])
+def test_a_non_finite_update_raises_and_leaves_the_weights_and_optimizer_of_the_last_good_one(model_dir, case):
+    if case == "nan loss":  # a loss that is NaN: stopped before the optimizer moves anything
+        learner, loss_fn, what = new_learner(model_dir), nan_loss, "loss"
+    else:  # a learning rate StartRun would refuse, set here directly: the step makes the weights non-finite
+        settings = dict(SETTINGS_KW, optimizer=OptimizerSettings(learning_rate=math.inf, micro_batch_tokens=96))
+        learner, loss_fn, what = new_learner(model_dir, **settings), GrpoObjective(GrpoLossConfig()), "weights"
+    sequences = grpo_batch()
+    before = {k: v.clone() for k, v in learner.full_state_dict().items()}
+    with pytest.raises(ArithmeticError) as caught:
+        old = learner.logprobs(sequences)
+        learner.train_step(with_values(sequences, old_logprobs=old), loss_fn)
+    assert getattr(caught.value, "what", None) == what and str(caught.value).startswith(f"the {what} became")
+    if what == "loss":
+        assert learner.updates == 0 and not learner.optimizer.state
+        assert all(torch.equal(before[k], v) for k, v in learner.full_state_dict().items())
+    else:
+        assert any(not torch.isfinite(v).all() for v in learner.full_state_dict().values())
+    from leap.common.v1 import common_pb2
+
+    sentence = caught.value.sentence(4, common_pb2.OptimizerConfig(learning_rate=1e-3, max_grad_norm=1.0))
+    assert sentence.startswith(f"step 4: the {what} became") and "optimizer.learning_rate" in sentence

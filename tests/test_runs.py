@@ -17,7 +17,8 @@ from google.rpc import error_details_pb2
 from leap.clients import connect
 from leap.learning.metrics import MetricsLog, plot_metrics, series
 from leap.learning.registry import (
-    FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, RequestConflict, RunNotFound, RunRegistry, RunStateError,
+    FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, DirLock, OutputDirTaken, RequestConflict, RunNotFound, RunRegistry,
+    RunStateError,
 )
 from leap.learning.run_api import RunApi
 from leap.runtime import BackgroundServer, Registration, ServerConfig, Service, Violations
@@ -326,3 +327,104 @@ def test_run_api_errors_name_the_field_or_the_state(trainer):
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "different config" in error.details()
     assert rpc_error(trainer.GetTeacherUnion, trainer_pb2.GetTeacherUnionRequest(run_id=run.run_id)).code() \
         == grpc.StatusCode.UNIMPLEMENTED
+
+
+# --- one run owns its output directory ----------------------------------------------------------
+
+
+def test_a_second_run_naming_an_owned_output_dir_is_refused_naming_it(registry, tmp_path):
+    shared = tmp_path / "shared-out"
+    first, _ = registry.start("owner", {"steps": 2}, "fp-owner", 2, output_dir=str(shared))
+    wait_state(registry, first.run_id, SUCCEEDED)
+    with pytest.raises(OutputDirTaken) as caught:  # even after it ended: its checkpoints are there
+        registry.start("intruder", {"steps": 2}, "fp-intruder", 2, output_dir=str(shared / "." ))
+    assert str(shared) in str(caught.value) and first.run_id in str(caught.value)
+    # Another service (another registry: another process's runs) is refused through the owner file.
+    other = RunRegistry(tmp_path / "other-runs", factory(step_seconds=0.01), tensorboard=False).open()
+    try:
+        with pytest.raises(OutputDirTaken) as caught:
+            other.start("elsewhere", {"steps": 2}, "fp-elsewhere", 2, output_dir=str(shared))
+        assert first.run_id in str(caught.value)
+        stale = tmp_path / "old-run"  # a run of an older version: checkpoints but no owner file
+        (stale / "checkpoints").mkdir(parents=True)
+        with pytest.raises(OutputDirTaken) as caught:
+            other.start("stale", {"steps": 2}, "fp-stale", 2, output_dir=str(stale))
+        assert "checkpoints of an earlier run" in str(caught.value)
+        assert [r.run_id for r in other.list()[0]] == [] and not (stale / ".leap-run").exists()
+    finally:
+        other.close(timeout=10)
+    assert train_steps(registry, first.run_id) == [1, 2]  # nothing of the refused runs in its events
+
+
+LOCK_HOLDER = """
+import sys, time
+from leap.learning.registry import DirLock
+DirLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_output_dir_lock_refuses_a_second_process_and_dies_with_its_holder(registry, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, subprocess_env
+
+    directory = tmp_path / "locked-out"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(directory)], cwd=ROOT, env=subprocess_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputDirTaken) as caught:
+            DirLock(directory).acquire()
+        assert f"process {holder.pid}" in str(caught.value)
+        with pytest.raises(OutputDirTaken):  # a new run there is refused while a process trains in it
+            registry.start("while-locked", {"steps": 2}, "fp-wl", 2, output_dir=str(directory))
+        os.kill(holder.pid, signal.SIGKILL)  # the holder dies without releasing anything
+        holder.wait(30)
+        DirLock(directory).acquire().release()  # the kernel dropped its lock
+        run, _ = registry.start("after", {"steps": 2}, "fp-after", 2, output_dir=str(directory))
+        assert wait_state(registry, run.run_id, SUCCEEDED).step == 2
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_a_run_whose_directory_another_process_trains_in_fails_with_the_reason(registry, tmp_path):
+    hold = threading.Event()
+    registry.job_factory = factory(step_seconds=0.01, hold=hold)  # runs wait on `hold`
+    blocker = start(registry, "blocker", steps=1)  # holds the one worker
+    directory = tmp_path / "busy"
+    queued, _ = registry.start("queued", {"steps": 2}, "fp-queued", 2, output_dir=str(directory))
+    assert registry.get(queued.run_id).state == PENDING
+    lock = DirLock(directory).acquire()  # another open file: flock conflicts as with another process
+    try:
+        hold.set()  # the blocker ends; the queued run's worker finds its directory locked
+        failed = wait_state(registry, queued.run_id, FAILED)
+    finally:
+        lock.release()
+    assert wait_state(registry, blocker.run_id, SUCCEEDED)
+    assert "is in use: process" in failed.error and str(directory) in failed.error and failed.step == 0
+    registry.resume(queued.run_id)  # the lock is free again: the run trains
+    assert wait_state(registry, queued.run_id, SUCCEEDED).step == 2
+
+
+def test_run_api_refuses_a_taken_or_unusable_output_dir_with_the_right_code(trainer, tmp_path):
+    shared = str(tmp_path / "out")
+    run = trainer.StartRun(start_request("dir-1", steps=1, output_dir=shared)).run
+    error = rpc_error(trainer.StartRun, start_request("dir-2", steps=1, output_dir=shared))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert shared in error.details() and run.run_id in error.details()
+    (info,) = [d for d in details_of(error) if isinstance(d, error_details_pb2.ErrorInfo)]
+    assert info.reason == "OUTPUT_DIR_IN_USE"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for bad in ("/proc/self/leap-out", "/sys/kernel/x", str(blocker), str(blocker / "below"), "x" * 5000):
+        error = rpc_error(trainer.StartRun, start_request(f"bad-{len(bad)}-{bad[-3:]}", steps=1, output_dir=bad))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        (bad_request,) = [d for d in details_of(error) if isinstance(d, error_details_pb2.BadRequest)]
+        assert [v.field for v in bad_request.field_violations] == ["config.output_dir"], bad

@@ -149,6 +149,35 @@ def test_client_helper_sends_token_and_deadline():
         running.stop()
 
 
+def test_the_token_comes_from_a_file_or_the_environment_never_a_flag(tmp_path, capsys):
+    from leap.commands import service_spec
+    from leap.commands.serve import load_settings
+    from leap.runtime import config as cfg
+
+    token_file = tmp_path / "token"
+    token_file.write_text(f"  {TOKEN}\n")
+    spec = service_spec("reward")
+    from_file = load_settings(spec, ["--auth-token-file", str(token_file)])
+    assert from_file.auth_token == TOKEN
+    from_env = cfg.load(spec.config_class, "reward", env={"LEAP_AUTH_TOKEN": TOKEN})
+    assert from_env.auth_token == TOKEN
+    with pytest.raises(SystemExit):  # a command line is readable by every user (ps, /proc/PID/cmdline)
+        load_settings(spec, ["--auth-token", TOKEN])
+    assert "/proc/PID/cmdline" in capsys.readouterr().err
+    from leap.cli import UserError
+    with pytest.raises(UserError, match="cannot be read"):
+        load_settings(spec, ["--auth-token-file", str(tmp_path / "missing")])
+    running = start(auth_token_file=str(token_file))  # a file given to the config directly is read at start
+    try:
+        stub = stub_for(running.address)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Rank(rank("ok"), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Rank(rank("ok"), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10).results
+    finally:
+        running.stop()
+
+
 def test_sigterm_drains_in_flight_calls_then_exits():
     port = free_port()
     process = subprocess.Popen(

@@ -27,10 +27,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from leap import tasks
-from tests.sandbox_helpers import (AS_ROOT, CPU, HEADER, KERNELBENCH, RELU_LOOP, Check, Stage, describe, flags,
+from tests.sandbox_helpers import (AS_ROOT, CPU, KERNELBENCH, RELU_LOOP, Check, Stage, describe, flags,
                                    processes_in, processes_of_uids, relu, running_sandbox)
 
-UID_BASE = 61000
 WORKERS = 2
 FAST = {"timing_trials": 4, "warmup_runs": 1}
 NO_STATIC = {**FAST, "disabled_checks": [Check.CHECK_STATIC]}
@@ -63,8 +62,8 @@ def sandbox(tmp_path_factory):
     problems = tmp_path_factory.mktemp("kernelbench")
     (problems / "level1").mkdir()
     (problems / "level1" / "7_Scale_relu.py").write_text(PROBLEM)
-    with running_sandbox(tmp_path_factory.mktemp("adversarial"), workers=WORKERS, sandbox_uid=UID_BASE,
-                         task_dirs=[str(problems)], timing_max_runs=12, timing_budget_seconds=1.0) as running:
+    with running_sandbox(tmp_path_factory.mktemp("adversarial"), workers=WORKERS, task_dirs=[str(problems)],
+                         timing_max_runs=12, timing_budget_seconds=1.0) as running:
         yield running
 
 
@@ -82,7 +81,7 @@ def clean_afterwards(request):
         assert not processes_in(jobs), "a candidate process is left"
         assert not os.listdir(jobs), f"job directories are left: {os.listdir(jobs)}"
         if AS_ROOT:
-            assert not processes_of_uids(range(sandbox.config.sandbox_uid, sandbox.config.sandbox_uid + WORKERS))
+            assert not processes_of_uids(sandbox.servicer.uids)
 
 
 def solution(task_id: str) -> str:
@@ -266,7 +265,11 @@ def honest_kernelbench(sandbox):
 
 
 def test_rebinding_the_clocks_changes_nothing(sandbox, honest_kernelbench):
-    gains_nothing(sandbox.evaluate(TASK, kernelbench(init=PATCH_CLOCKS), KERNELBENCH, **FAST), honest_kernelbench)
+    # The static check refuses the reflection (vars) it goes through; without the check, the
+    # patches run and reach nothing that measures.
+    refused = sandbox.evaluate(TASK, kernelbench(init=PATCH_CLOCKS), KERNELBENCH, **FAST)
+    assert refused.stage == Stage.STAGE_FORMAT and "FORBIDDEN_CALL" in flags(refused), describe(refused)
+    gains_nothing(sandbox.evaluate(TASK, kernelbench(init=PATCH_CLOCKS), KERNELBENCH, **NO_STATIC), honest_kernelbench)
 
 
 def test_a_kernelbench_fingerprint_cache_never_hits(sandbox, honest_kernelbench):

@@ -70,7 +70,7 @@ def build(directory: Path, name: str, source: str, *flags: str) -> Path:
 
 @pytest.fixture(scope="module")
 def zygote():
-    running = Zygote(0, None, network_isolation=False, log=structlog.get_logger())
+    running = Zygote(0, None, log=structlog.get_logger())
     running.start()
     yield running
     running.close()

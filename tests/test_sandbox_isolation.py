@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.sandbox_helpers import (AS_ROOT, Check, RELU_LOOP, Stage, candidate, describe, flags, processes_in,
                                    processes_of_uids, relu, running_sandbox)
 
-UID_BASE = 61000
+UID_BASE = int(os.environ.get("LEAP_TEST_SANDBOX_UID", "61000"))  # where the uid range starts (see sandbox_helpers)
 WORKERS = 2
 NO_STATIC = {"disabled_checks": [Check.CHECK_STATIC], "timing": False}
 
@@ -38,7 +38,7 @@ def assert_healthy_and_clean(sandbox):
         time.sleep(0.05)
     assert not left, f"leftover processes: {left}"
     if AS_ROOT:
-        assert not processes_of_uids(range(UID_BASE, UID_BASE + WORKERS))
+        assert not processes_of_uids(sandbox.servicer.uids)
     ok = sandbox.evaluate("relu", relu(RELU_LOOP), timing=False)  # later verdicts are unaffected
     assert ok.stage == Stage.STAGE_PASSED, describe(ok)
 
@@ -177,24 +177,7 @@ class Listener:
 
 
 def test_candidates_have_no_network(sandbox):
-    zygote = sandbox.servicer.pool.zygotes[0]
-    if not zygote.netns:
-        pytest.skip(f"no network namespace on this machine: {zygote.netns_reason}")
     with Listener() as listener:
         verdict = sandbox.evaluate("relu", connect_candidate(listener.port), **NO_STATIC)
     assert verdict.stage == Stage.STAGE_PASSED, describe(verdict)  # the connect failed inside the candidate
     assert not listener.connected.is_set()
-
-
-def test_without_the_namespace_only_the_static_check_stops_sockets(tmp_path):
-    # What the fallback means: where no namespace can be made, a candidate the static check
-    # let through would reach the network. With the check on, it never runs.
-    with running_sandbox(tmp_path, workers=1, network_isolation=False) as open_sandbox:
-        assert not open_sandbox.servicer.pool.zygotes[0].netns
-        assert "off in the config" in open_sandbox.servicer.pool.zygotes[0].netns_reason
-        with Listener() as listener:
-            rejected = open_sandbox.evaluate("relu", connect_candidate(listener.port), timing=False)
-            assert rejected.stage == Stage.STAGE_FORMAT and "FORBIDDEN_CALL" in flags(rejected)
-            reached = open_sandbox.evaluate("relu", connect_candidate(listener.port), **NO_STATIC)
-            assert listener.connected.wait(10)
-        assert reached.stage == Stage.STAGE_CORRECT, describe(reached)

@@ -106,6 +106,16 @@ def test_sequences_without_signal_and_the_logprob_gap():
     assert gap == {"logprob_gap/mean_abs": pytest.approx(0.25 / 3), "logprob_gap/max_abs": 0.25}
 
 
+def test_the_learning_batch_drops_tied_sequences_but_normalizes_by_every_generated_token():
+    with_signal = batch.training_sequence(two_turn_episode(), [0.0, 1.0])  # 3 generated tokens
+    tied = batch.training_sequence(two_turn_episode(), [0.0, 0.0])  # 3 more, no gradient
+    kept, normalizer = batch.learning_batch([with_signal, tied], kl=False)
+    assert [seq for seq, _ in kept] == [with_signal[0]]
+    assert (normalizer.tokens, normalizer.sequences) == (6.0, 2.0)
+    kept, normalizer = batch.learning_batch([with_signal, tied], kl=True)  # a KL term: the tied one trains too
+    assert len(kept) == 2 and normalizer.tokens == 6.0
+
+
 def test_rollout_records_describe_each_trajectory():
     ranked = reward_pb2.RankResponse(results=[reward_pb2.RankResult(task_id="relu", trajectories=[
         reward_pb2.TrajectoryReward(reward=1.0, advantage=1.0, turn_advantages=[1.0, 1.0])])])

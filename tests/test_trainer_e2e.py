@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import uuid
 from pathlib import Path
@@ -142,9 +143,14 @@ def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
 
 def resumable_config(model_dir: Path) -> trainer_pb2.RunConfig:
     """Two steps of one group, checkpointing every step. Speed cannot decide a rank (a huge
-    margin), so timing noise cannot make two runs' advantages differ."""
+    margin), so timing noise cannot make two runs' advantages differ; the gate's history rule
+    is off, so two reward services with different histories decide alike."""
     return small_config(model_dir, steps=2, tasks_per_step=1, group_size=4, checkpoint_every=1,
-                        rank=reward_pb2.RankConfig(speedup_margin=1e6))
+                        rank=reward_pb2.RankConfig(speedup_margin=1e6), gate=reward_pb2.GateConfig(never_solved_after=-1))
+
+
+def gate_calls(log: Path) -> int:
+    return sum(1 for line in log.read_text(errors="replace").splitlines() if "RewardService/Gate" in line)
 
 
 def test_a_killed_trainer_resumes_with_the_same_step_counter_and_optimizer_state(services, tiny_model_dir, tmp_path):
@@ -154,18 +160,30 @@ def test_a_killed_trainer_resumes_with_the_same_step_counter_and_optimizer_state
         whole = start(trainer, config)
         follow(trainer, whole.run_id)
     runs = tmp_path / "killed"
-    with leap_serve("trainer", *trainer_flags(runs, services)) as (address, process):
-        trainer = connect("trainer", address, aio=False)
-        killed = start(trainer, config)
-        first = Path(killed.output_dir) / "checkpoints" / "step-00000001"
-        wait_for(first.is_dir, timeout=300, what="the checkpoint of step 1")
-        os.killpg(process.pid, signal.SIGKILL)  # no shutdown, no last checkpoint: as a crash
-        process.wait()
-    with leap_serve("trainer", *trainer_flags(runs, services)) as (address, _):  # auto_resume picks the run up
-        trainer = connect("trainer", address, aio=False)
-        events = follow(trainer, killed.run_id)
-        resumed = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=killed.run_id)).run
+    reward_log = tmp_path / "reward.log"
+    with contextlib.ExitStack() as stack:
+        # A reward service of its own, with its history on disk, to count what the killed run records.
+        reward, _ = stack.enter_context(leap_serve("reward", "--history-path", str(tmp_path / "history.sqlite3"),
+                                                   log_path=reward_log))
+        own = trainer_pb2.ServiceAddresses(policy=services.policy, sandbox=services.sandbox, reward=reward)
+        with leap_serve("trainer", *trainer_flags(runs, own)) as (address, process):
+            trainer = connect("trainer", address, aio=False)
+            killed = start(trainer, config)
+            first = Path(killed.output_dir) / "checkpoints" / "step-00000001"
+            wait_for(first.is_dir, timeout=300, what="the checkpoint of step 1")
+            wait_for(lambda: gate_calls(reward_log) >= 2, timeout=300, what="step 2's Gate call")
+            os.killpg(process.pid, signal.SIGKILL)  # mid-step, no shutdown, no last checkpoint: as a crash
+            process.wait()
+        with leap_serve("trainer", *trainer_flags(runs, own)) as (address, _):  # auto_resume picks the run up
+            trainer = connect("trainer", address, aio=False)
+            events = follow(trainer, killed.run_id)
+            resumed = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=killed.run_id)).run
+        stub = connect("reward", reward, aio=False)
+        histories = stub.GetTaskHistory(reward_pb2.GetTaskHistoryRequest()).histories
+        gated = stub.GetStats(reward_pb2.GetStatsRequest()).groups_gated
     assert resumed.state == SUCCEEDED and resumed.step == 2, resumed.error
+    # Step 2 was gated, killed and played again; its group is in the history once.
+    assert gate_calls(reward_log) >= 3 and sum(h.groups for h in histories) == 2 and gated == 2
     assert train_steps(events) == [1, 2]  # the log was rewound to the checkpoint: no step twice
     a = [json.loads(x)["token_ids"] for x in (Path(whole.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
     b = [json.loads(x)["token_ids"] for x in (Path(resumed.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
@@ -250,3 +268,75 @@ def test_a_restarted_policy_is_sent_the_learners_weights_before_the_next_step(se
     records = [json.loads(line) for line in (Path(done.output_dir) / "rollouts" / "step-00000002.jsonl").open()]
     versions = {turn["weight_version"] for record in records for turn in record["turns"]}
     assert versions == {second.values["weight_version"] - 1}  # sampled from the re-sent weights, not version 0
+
+
+@pytest.fixture(scope="module")
+def plain_trainer(services, tmp_path_factory):
+    """One trainer for the tests below (each starts a trainer of its own above)."""
+    runs = tmp_path_factory.mktemp("plain-trainer")
+    with leap_serve("trainer", *trainer_flags(runs, services, "--no-signal-warning-steps", "2")) as (address, _):
+        trainer = connect("trainer", address, aio=False)
+        yield trainer
+        trainer.channel.close()
+
+
+def refused_fields(trainer, config: trainer_pb2.RunConfig) -> dict[str, str]:
+    import grpc
+    from google.rpc import error_details_pb2
+
+    from leap.runtime.errors import details_of
+
+    with pytest.raises(grpc.RpcError) as caught:
+        start(trainer, config)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    (bad,) = [d for d in details_of(caught.value) if isinstance(d, error_details_pb2.BadRequest)]
+    return {v.field: v.description for v in bad.field_violations}
+
+
+def test_a_config_the_services_cannot_serve_is_refused_whole_before_the_run_starts(plain_trainer, tiny_model_dir,
+                                                                                   tmp_path):
+    config = small_config(tiny_model_dir, group_size=100, eval_samples=100_000, policy_model="../x",
+                          sandbox_size="huge", output_dir="/proc/leap-run",
+                          sampling=common_pb2.RolloutSampling(max_new_tokens=10**9),
+                          optimizer=common_pb2.OptimizerConfig(learning_rate=float("inf")),
+                          gate=reward_pb2.GateConfig(simple_threshold=float("nan")),
+                          rank=reward_pb2.RankConfig(turn_discount=5.0))
+    fields = refused_fields(plain_trainer, config)
+    assert set(fields) == {"config.group_size", "config.eval_samples", "config.policy_model", "config.sandbox_size",
+                           "config.output_dir", "config.sampling.max_new_tokens", "config.optimizer.learning_rate",
+                           "config.gate.simple_threshold", "config.rank.turn_discount"}
+    assert "allows at most 64" in fields["config.group_size"] and "allows at most 64" in fields["config.eval_samples"]
+    assert "'huge' is not a size preset" in fields["config.sandbox_size"]
+    assert "context of" in fields["config.sampling.max_new_tokens"]
+    assert "path separators" in fields["config.policy_model"]
+    # The reward service's own limit, asked with a dry-run Gate: a group larger than its max_group_size.
+    assert "reward service" in refused_fields(plain_trainer, small_config(tiny_model_dir, group_size=2000))[
+        "config.group_size"]
+    # Feedback turns on a model without a chat template are refused; single-turn is not.
+    plain = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((plain / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    fields = refused_fields(plain_trainer, small_config(plain, eval_turns=2))
+    assert set(fields) == {"config.max_turns", "config.eval_turns"} and "no chat template" in fields["config.max_turns"]
+    assert list(plain_trainer.ListRuns(trainer_pb2.ListRunsRequest()).runs) == []
+
+
+def test_a_run_whose_groups_all_tie_says_it_has_no_learning_signal(plain_trainer, tmp_path):
+    from tests.tiny_lm import build_tiny_model
+
+    random_init = build_tiny_model(tmp_path / "random-init")  # never writes a kernel: every group ties
+    config = small_config(random_init, steps=2, tasks_per_step=1, group_size=2, mode=trainer_pb2.TRAIN_MODE_SINGLE,
+                          max_turns=1, eval_turns=1, policy_model="random-init",
+                          sampling=common_pb2.RolloutSampling(max_new_tokens=16))
+    run = start(plain_trainer, config)
+    events = follow(plain_trainer, run.run_id)
+    done = plain_trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
+    assert done.state == SUCCEEDED, done.error  # the run ends as it would; the warning says what happened
+    train = [e for e in events if e.kind == "train"]
+    assert [e.values["reward/zero_spread_share"] for e in train] == [1.0, 1.0]
+    assert all(e.values["sequences/trained"] == 0 for e in train)
+    (warning,) = [e for e in events if e.kind == "warning"]
+    assert warning.step == 2 and "no learning signal" in warning.message and warning.values["steps"] == 2

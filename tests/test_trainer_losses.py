@@ -138,3 +138,39 @@ def test_aggregate_rejects_unknown_modes_and_config_checks_ranges():
         GrpoLossConfig(clip_low=1.0)
     with pytest.raises(ValueError):
         GrpoLossConfig(aggregation="mean")
+
+
+# A third sequence from a group that tied: advantage 0 on two generated tokens, ratio 1.
+TIED_RATIOS = [1.0, 1.0]
+
+
+def test_tied_sequences_left_out_still_count_in_the_token_mean():
+    # All generated tokens of the batch: 5 above plus the tied sequence's 2. The tied tokens add
+    # 0 to the sum, so the token mean is (-1.28 - 1.0 - 0.5 + 1.6 + 2.2) / 7, not / 5 (TRL's
+    # GRPOTrainer and DESIGN.md: the mean over all generated tokens).
+    lp = torch.log(torch.tensor(RATIOS + [TIED_RATIOS + [1.0]], dtype=torch.float64)).requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    advantages = torch.tensor([1.0, -2.0, 0.0])
+    whole, _ = grpo_loss(lp, torch.zeros(3, 3, dtype=torch.float64), advantages, mask)
+    whole.backward()
+    assert whole.item() == pytest.approx(1.02 / 7)
+
+    # The trainer's path: the tied sequence dropped before the forward pass, the normalizer of all.
+    kept_lp = logprobs()
+    dropped, _ = grpo_loss(kept_lp, old(), ADVANTAGES, MASK, normalizer=7.0)
+    dropped.backward()
+    assert dropped.item() == pytest.approx(whole.item())
+    assert torch.allclose(kept_lp.grad, lp.grad[:2])
+    assert torch.allclose(kept_lp.grad, torch.tensor([[0.0, -1.0, -0.5], [0.0, 2.2, 0.0]], dtype=torch.float64) / 7)
+
+
+def test_tied_sequences_left_out_still_count_in_the_seq_mean():
+    config = GrpoLossConfig(aggregation=SEQ_MEAN_TOKEN_MEAN)
+    loss, _ = grpo_loss(logprobs(), old(), ADVANTAGES, MASK, config, normalizer=3.0)
+    assert loss.item() == pytest.approx(((-1.28 - 1.0 - 0.5) / 3 + (1.6 + 2.2) / 2) / 3)
+
+
+def test_approx_kl_old_is_the_k1_estimate():
+    _, stats = grpo_loss(logprobs(), old(), ADVANTAGES, MASK)
+    kept = [1.5, 1.0, 0.5, 0.5, 1.1]
+    assert stats["approx_kl_old"].item() == pytest.approx(-sum(math.log(r) for r in kept) / 5)

@@ -61,6 +61,8 @@ def test_a_missing_model_directory_is_refused(trainer, tmp_path):
     (dict(mode=trainer_pb2.TRAIN_MODE_SINGLE, max_turns=3), "config.max_turns", "single-turn"),
     (dict(train_tasks=["relu"], eval_tasks=["relu"]), "config.eval_tasks", "held-out"),
     (dict(flagged_verdicts=7), "config.flagged_verdicts", "unknown value 7"),
+    (dict(report_to=["tensorboard"]), "config.report_to[0]", "must be one of mlflow, wandb, trackio"),
+    (dict(report_to=["mlflow", "mlflow"]), "config.report_to[1]", "twice"),
 ])
 def test_bad_fields_are_refused_with_the_field_named(trainer, model_dir, change, field, words):
     config = trainer_pb2.RunConfig(model_path=str(model_dir), **{"steps": 2, **change})

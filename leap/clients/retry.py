@@ -8,8 +8,10 @@ in `with_retries`, which keeps trying for `Patience.seconds`:
     result = await with_retries(lambda: sandbox.GetTask(request), "sandbox", target, patience)
 
 UNAVAILABLE is retried with exponential backoff; RESOURCE_EXHAUSTED is retried after the
-delay its `google.rpc.RetryInfo` asks for (a full queue). Anything else is raised as it is:
-bad input is a bug to see, not to retry.
+delay its `google.rpc.RetryInfo` asks for (a full queue). Anything else is not retried: it is
+raised as `ServiceRefused`, still a `grpc.aio.AioRpcError` (code, details and rich details as
+received) that also knows which service refused what, so a run can fail with a sentence
+(`ServiceRefused.sentence`) instead of an error's repr.
 """
 
 from __future__ import annotations
@@ -37,6 +39,36 @@ class Patience:
     max_delay: float = 8.0
 
 
+class ServiceRefused(grpc.aio.AioRpcError):
+    """A service answered a call with an error that retrying cannot fix (bad input, a missing
+    resource, a failed precondition): the error itself, plus who refused what."""
+
+    def __init__(self, service: str, target: str, action: str, cause: grpc.aio.AioRpcError):
+        super().__init__(cause.code(), cause.initial_metadata(), cause.trailing_metadata(), cause.details(),
+                         cause.debug_error_string())
+        self.service = service
+        self.target = target
+        self.action = action
+
+    @property
+    def sentence(self) -> str:
+        """For example "the sandbox service at 127.0.0.1:50052 refused the evaluation
+        (INVALID_ARGUMENT: invalid request: candidates[3].source: ...)"."""
+        return f"the {self.service} service at {self.target} refused {self.action} ({self.code().name}: {self.details()})"
+
+    def __str__(self) -> str:
+        return self.sentence
+
+
+def refusal(error: grpc.RpcError) -> str:
+    """The sentence of any RPC error (a `ServiceRefused` names its service and action)."""
+    if isinstance(error, ServiceRefused):
+        return error.sentence
+    code = error.code().name if hasattr(error, "code") else "UNKNOWN"
+    details = error.details() if hasattr(error, "details") else str(error)
+    return f"a call to another service failed ({code}: {details})"
+
+
 class ServiceUnavailable(Exception):
     """A service kept failing past the caller's patience."""
 
@@ -60,9 +92,11 @@ def retry_delay(error: grpc.RpcError, backoff: float) -> float | None:
     return None
 
 
-async def with_retries(call: Callable[[], Awaitable[T]], service: str, target: str, patience: Patience) -> T:
+async def with_retries(call: Callable[[], Awaitable[T]], service: str, target: str, patience: Patience,
+                       action: str = "the call") -> T:
     """`await call()`, tried again on UNAVAILABLE (backoff) and RESOURCE_EXHAUSTED (its
-    RetryInfo delay) until `patience.seconds` have passed; then `ServiceUnavailable`."""
+    RetryInfo delay) until `patience.seconds` have passed; then `ServiceUnavailable`. Any
+    other error is `ServiceRefused` (what `action` was, for example "the evaluation")."""
     deadline = time.monotonic() + patience.seconds
     backoff = patience.first_delay
     while True:
@@ -71,6 +105,8 @@ async def with_retries(call: Callable[[], Awaitable[T]], service: str, target: s
         except grpc.RpcError as error:
             delay = retry_delay(error, backoff)
             if delay is None:
+                if isinstance(error, grpc.aio.AioRpcError) and not isinstance(error, ServiceRefused):
+                    raise ServiceRefused(service, target, action, error) from error
                 raise
             if time.monotonic() + delay > deadline:
                 raise ServiceUnavailable(service, target, patience.seconds, error) from error

@@ -21,6 +21,7 @@ import json
 import os
 
 from leap.clients import STUBS
+from leap.runtime.config import SecretOnCommandLine
 
 
 def add_parser(subparsers) -> None:
@@ -30,8 +31,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("address", metavar="ADDRESS",
                         help="gRPC target, for example 127.0.0.1:50052 or dns:///sandbox:50052")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    parser.add_argument("--auth-token", default=os.environ.get("LEAP_AUTH_TOKEN") or None,
-                        help="bearer token to send (default: $LEAP_AUTH_TOKEN)")
+    parser.add_argument("--auth-token-file", metavar="FILE",
+                        help="file holding the bearer token to send (default: the token in $LEAP_AUTH_TOKEN)")
+    parser.add_argument("--auth-token", action=SecretOnCommandLine, help=argparse.SUPPRESS)
     parser.add_argument("--tls-ca", help="PEM CA file: connect with TLS, trusting this CA")
     parser.add_argument("--tls-cert", help="PEM client certificate (mTLS), with --tls-key")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -44,6 +46,19 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def auth_token(args) -> str | None:
+    """The token from --auth-token-file, else $LEAP_AUTH_TOKEN (never a flag: ps shows flags)."""
+    from leap.cli import UserError
+    from leap.runtime.config import read_token_file
+
+    if args.auth_token_file:
+        try:
+            return read_token_file(args.auth_token_file)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    return os.environ.get("LEAP_AUTH_TOKEN") or None
+
+
 def run(args, _extra) -> int:
     from leap.cli import UserError
     from leap.conformance import Outcome, Unreachable, check_service, failures
@@ -53,7 +68,7 @@ def run(args, _extra) -> int:
     options = {"model": args.model, "logprob_tolerance": args.logprob_tolerance}
     try:
         results = check_service(args.service, args.address, deadline=args.timeout,
-                                connect_seconds=args.connect_timeout, options=options, auth_token=args.auth_token,
+                                connect_seconds=args.connect_timeout, options=options, auth_token=auth_token(args),
                                 tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     except Unreachable as err:
         raise UserError(str(err)) from None

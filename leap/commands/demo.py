@@ -21,6 +21,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--out", default="runs/demo", help="where the model, the services' state and the run go "
                                                            "(default runs/demo)")
     add_training_options(parser, eval_every=10)
+    parser.add_argument("--report-to", default="", metavar="LIST",
+                        help="experiment trackers that also get the run's metrics, config and plots: mlflow, wandb, "
+                             "trackio, comma-separated; each is an extra (pip install 'leap-suite[mlflow]') and "
+                             "writes locally without an account (default: none)")
     parser.set_defaults(func=run)
 
 
@@ -64,6 +68,7 @@ def run(args, _extra) -> int:
     from leap.experiments.stack import experiment_stack
 
     check_args(args)
+    args.trackers = trackers(args.report_to)
     out = Path(args.out)
     toolchain = demo_toolchain()
     model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, args.quiet)
@@ -81,6 +86,21 @@ def run(args, _extra) -> int:
         stack.stop()
     write_report(report, out)
     return 0
+
+
+def trackers(report_to: str) -> list[str]:
+    """`--report-to`'s names, checked here (a tracker runs in the trainer this command starts, in
+    this environment) so a mistake is one line before anything starts."""
+    from leap.cli import UserError
+    from leap.learning import reporters
+    from leap.runtime import Violations
+
+    names = reporters.parse_names(report_to)
+    violations = Violations()
+    reporters.report_to_violations(names, "--report-to", violations)
+    if violations.items:
+        raise UserError("; ".join(description for _, description in violations.items))
+    return names
 
 
 def say(text: str) -> None:
@@ -114,13 +134,14 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
     from leap.clients import connect
     from leap.common.v1 import common_pb2
     from leap.experiments.runs import TRAIN_TASKS, run_to_end
+    from leap.learning.reporters import where_reported
     from leap.trainer.v1 import trainer_pb2
 
     config = trainer_pb2.RunConfig(
         model_path=str(model.resolve()), steps=args.steps, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, max_turns=args.max_turns, toolchain=toolchain, seed=args.seed,
         eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=True,
-        checkpoint_every=max(1, args.steps // 2), display_name="leap demo",
+        checkpoint_every=max(1, args.steps // 2), display_name="leap demo", report_to=getattr(args, "trackers", []),
         optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate))
     trainer = connect("trainer", addresses["trainer"], aio=False)
     started = time.perf_counter()
@@ -139,6 +160,7 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
         "sandbox_evaluations": sum(v.get("sandbox/evaluations", 0.0) for v in train_events),
         "sandbox_evaluations_saved": sum(v.get("sandbox/evaluations_saved", 0.0) for v in train_events),
         "expanded_share": sum(v.get("expanded_share", 0.0) for v in train_events) / max(1, len(train_events)),
+        "trackers": where_reported(finished.run.output_dir),
     }
 
 
@@ -164,6 +186,7 @@ def format_report(report: dict) -> str:
               "", f"written to {report['output_dir']}:",
               "  metrics.png (curves), events.jsonl and tensorboard/ (every metric), rollouts/ (every answer and "
               "verdict), checkpoints/"]
+    lines += [f"  reported to {where}" for where in report.get("trackers", [])]
     return "\n".join(lines)
 
 

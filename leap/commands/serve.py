@@ -34,6 +34,10 @@ def settings_parser(spec) -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file of settings (a [%s] table or top-level keys)" % spec.name)
     for field in cfg.fields_of(spec.config_class):
+        if field.metadata.get("flag", True) is False:  # a secret: refused with the reason
+            parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, default=None,
+                                action=cfg.SecretOnCommandLine, help=argparse.SUPPRESS)
+            continue
         kind = cfg.field_type(spec.config_class, field)
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         flag = "--" + field.name.replace("_", "-")
@@ -61,6 +65,7 @@ def load_settings(spec, argv: list[str]):
 
 def run(args, extra: list[str]) -> int:
     from leap.cli import UserError
+    from leap.runtime.errors import StartupError
     from leap.runtime.server import run as run_server
 
     if args.service is None:
@@ -70,11 +75,11 @@ def run(args, extra: list[str]) -> int:
         settings_parser(spec).print_help()
         return 0
     settings = load_settings(spec, extra)
-    if args.service in LEARNER_SERVICES and not learner_driver():
+    if args.service in LEARNER_SERVICES and not learner_driver(spec.name, settings.log_level):
         return 0  # a follower rank under torchrun: it trained in lockstep with rank 0 and is done
     try:
         run_server(spec, settings)
-    except OSError as err:
+    except (OSError, StartupError) as err:
         raise UserError(str(err)) from None
     finally:
         if args.service in LEARNER_SERVICES:
@@ -84,14 +89,18 @@ def run(args, extra: list[str]) -> int:
     return 0
 
 
-def learner_driver() -> bool:
+def learner_driver(service: str = "", log_level: str = "info") -> bool:
     """Under `torchrun --nproc-per-node N -m leap serve trainer` every rank joins one process
     group; rank 0 serves and drives, the others replay its learner's calls (FSDP) until it
-    shuts down. Returns whether this process is rank 0 (True with a single process)."""
+    shuts down, logging JSON lines as rank 0 does. Returns whether this process is rank 0
+    (True with a single process)."""
     from leap.learning.distributed import current_world, follow
+    from leap.runtime.logging import configure_logging, library_output_as_logs
 
     world = current_world()
     if world.is_driver:
         return True
-    follow()
+    configure_logging(log_level, service=service)
+    with library_output_as_logs():
+        follow()
     return False

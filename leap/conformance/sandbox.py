@@ -139,6 +139,32 @@ def evaluate_solution(ctx: Context) -> str:
     return f"{found.task.id}: STAGE_PASSED"
 
 
+@SUITE.check("a response without a fenced code block stops at STAGE_FORMAT unless options.raw_source", "Evaluate")
+def evaluate_needs_a_fence(ctx: Context) -> str:
+    """Candidate.source is the model's response: its code is the last fenced block, and a
+    response with none stops at STAGE_FORMAT; `raw_source` takes the text as the code (the
+    solution check sends the same code that way)."""
+    found = example_task(ctx)
+    code = found.solution.source
+    if "```" in code:
+        raise CheckSkipped(f"{found.task.id}: the solution itself contains a fence")
+    untimed = sandbox_pb2.EvaluateOptions(timing=False)
+
+    def stage_of(source: str, label: str) -> sandbox_pb2.Verdict:
+        request = sandbox_pb2.EvaluateRequest(candidate=candidate(found.task.id, source, label), options=untimed)
+        return ctx.call("Evaluate", request).verdict
+
+    bare = stage_of(code, f"{ctx.tag}-bare")
+    if bare.stage != common_pb2.STAGE_FORMAT:
+        raise CheckFailed(f"{found.task.id}: the solution without a fence and without raw_source: "
+                          f"{Stage(bare.stage)} (STAGE_FORMAT expected: no fenced code block)")
+    fenced = stage_of(f"Here is the kernel.\n\n```cpp\n{code.rstrip()}\n```\n", f"{ctx.tag}-fenced")
+    if fenced.stage != PASSED:
+        raise CheckFailed(f"{found.task.id}: the solution in a fenced block of a response: {Stage(fenced.stage)} "
+                          f"(STAGE_PASSED expected: {fenced.message})")
+    return f"{found.task.id}: unfenced STAGE_FORMAT ({bare.message!r}), fenced in a response STAGE_PASSED"
+
+
 @SUITE.check("a broken example is a verdict below STAGE_PASSED in a successful response", "Evaluate")
 def evaluate_broken(ctx: Context) -> str:
     found = example_task(ctx)

@@ -32,7 +32,7 @@ def experiment_stack(work: Path, model_dir: Path, services: Iterable[str] = SERV
         "LEAP_DRAIN_SECONDS": "0",  # nobody balances load across these: stop at once
         "LEAP_POLICY_MODELS": f"{model_name}={model_dir}",
         "LEAP_SANDBOX_CACHE_DIR": str(work / "compile-cache"),
-        "LEAP_REWARD_HISTORY_PATH": str(work / "reward" / "task_history.json"),
+        "LEAP_REWARD_HISTORY_PATH": str(work / "reward" / "task_history.sqlite3"),
         "LEAP_TRAINER_RUNS_DIR": str(work / "trainer"),
         "LEAP_TRAINER_POLICY_ADDRESS": address["policy"],
         "LEAP_TRAINER_SANDBOX_ADDRESS": address["sandbox"],

@@ -9,6 +9,7 @@
 - `World`, `current_world`, `follow`, `release_followers`: several processes (distributed.py);
 - checkpoints on disk: `CheckpointInfo`, `list_checkpoints`, `latest_checkpoint` (checkpoint.py);
 - `MetricsLog`, `plot_metrics`: JSONL, TensorBoard and PNG curves (metrics.py);
+- experiment trackers beside the metric log: MLflow, W&B, trackio (reporters.py);
 - `RunRegistry`, `RunRecord`, `RunContext`: runs as persisted resources (registry.py), and
   `RunApi`, the run RPCs of a learner service over a registry (run_api.py);
 - `combine_stats`: loss statistics over micro-batches and ranks (stats.py);
@@ -19,7 +20,7 @@ This package never imports a service package (`svc_*`).
 
 from leap.learning.checkpoint import CheckpointInfo, latest_checkpoint, list_checkpoints
 from leap.learning.distributed import World, current_world, follow, release_followers
-from leap.learning.learner import Learner, LearnerSettings, Normalizer
+from leap.learning.learner import Learner, LearnerSettings, NonFiniteError, Normalizer
 from leap.learning.model import check_model_dir, load_model, load_tokenizer, token_logprobs
 from leap.learning.optim import OptimizerSettings, Schedule
 from leap.learning.sequences import Batch, Sequence, collate, micro_batches, shard, with_values
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointInfo",
     "Learner",
     "LearnerSettings",
+    "NonFiniteError",
     "Normalizer",
     "OptimizerSettings",
     "Schedule",

@@ -17,6 +17,11 @@ combined over micro-batches and ranks by `combine_stats`.
 
 Under several processes (see `leap.learning.distributed`) the same calls run on every rank;
 `loss_fn` must then be picklable (a module-level function or a dataclass instance).
+
+Every update is checked: a loss or gradient norm that is NaN or infinite stops it before the
+optimizer steps (the weights stay those of the last good update), and weights that became
+non-finite in the step are found right after it; both raise `NonFiniteError`, on every rank
+alike, so a caller fails its run before it pushes or checkpoints anything of that update.
 """
 
 from __future__ import annotations
@@ -44,12 +49,37 @@ from leap.learning.stats import combine_stats, mean_of_passes
 STRATEGIES = ("auto", "none", "fsdp")
 
 
+class NonFiniteError(ArithmeticError):
+    """An update produced NaN or infinity: in the loss, the gradient norm or the weights.
+    `what` is "loss", "gradient norm" or "weights"; the message says where and the value."""
+
+    def __init__(self, what: str, detail: str):
+        super().__init__(f"the {what} became {detail}")
+        self.what = what
+
+    def sentence(self, step: int, optimizer) -> str:
+        """What a person reads when update `step` went non-finite (`optimizer`: the run's
+        `leap.common.v1.OptimizerConfig`, defaults filled), with what to change."""
+        return (f"step {step}: {self}, so the update was dropped: the policy keeps serving, and the last checkpoint "
+                f"keeps, the weights of step {step - 1}. Start a new run with a lower optimizer.learning_rate (this "
+                f"run: {optimizer.learning_rate:g}) or a gradient clip (optimizer.max_grad_norm, this run: "
+                f"{optimizer.max_grad_norm:g}), or ResumeRun this one to retry from its last checkpoint")
+
+
 @dataclasses.dataclass(frozen=True)
 class Normalizer:
     """Counts over the whole batch (every micro-batch and rank), for batch means."""
 
     tokens: float  # loss tokens
     sequences: float  # sequences with at least one loss token
+
+    @classmethod
+    def of(cls, sequences: SequenceOf[Sequence]) -> Normalizer:
+        """The counts of `sequences`. A caller that leaves sequences out of the forward pass
+        because they carry no gradient (the trainer's zero-advantage ones) passes the counts
+        of the batch *before* it dropped them, so the loss keeps the scale of the whole batch."""
+        return cls(tokens=float(sum(s.loss_tokens for s in sequences)),
+                   sequences=float(sum(1 for s in sequences if s.loss_tokens > 0)))
 
 
 LossFn = Callable[[torch.Tensor, Batch, Normalizer, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, Any]]]
@@ -132,7 +162,10 @@ class Learner:
                 self._release()
                 return
             _, name, args, kwargs = message
-            getattr(type(self), name).__wrapped__(self, *args, **kwargs)
+            try:
+                getattr(type(self), name).__wrapped__(self, *args, **kwargs)
+            except NonFiniteError:  # rank 0 raised it too, at the same point: it decides what follows
+                continue
 
     def close(self) -> None:
         if self.closed:
@@ -201,23 +234,22 @@ class Learner:
         return [merged[i] for i in range(len(sequences))]
 
     @collective
-    def train_step(self, sequences: SequenceOf[Sequence], loss_fn: LossFn, *, epochs: int | None = None) -> dict[str, float] | None:
+    def train_step(self, sequences: SequenceOf[Sequence], loss_fn: LossFn, *, epochs: int | None = None,
+                   normalizer: Normalizer | None = None) -> dict[str, float] | None:
         """`epochs` optimizer updates (default: settings.optimizer.epochs_per_batch) over the
-        whole batch, each accumulating gradients over micro-batches. Returns the combined
-        statistics on rank 0 (None elsewhere): the loss's own, plus grad_norm, lr, updates,
-        micro_batches and seconds."""
+        whole batch, each accumulating gradients over micro-batches. `normalizer` defaults to
+        the counts of `sequences` (`Normalizer.of`). Returns the combined statistics on rank 0
+        (None elsewhere): the loss's own, plus grad_norm, lr, updates, micro_batches and seconds."""
         started = time.perf_counter()
         epochs = epochs or self.settings.optimizer.epochs_per_batch
-        normalizer = Normalizer(
-            tokens=float(sum(s.loss_tokens for s in sequences)),
-            sequences=float(sum(1 for s in sequences if s.loss_tokens > 0)),
-        )
+        normalizer = normalizer or Normalizer.of(sequences)
         plan = self._plan(sequences)
         passes: list[dict[str, float]] = []
         norms: list[float] = []
         for _ in range(epochs):
             self.optimizer.zero_grad(set_to_none=True)
             parts: list[Mapping[str, Any]] = []
+            bad_loss = 0.0  # the first non-finite micro-batch loss of this rank, or 0
             for position, group in enumerate(plan):
                 batch, filler = self._batch(sequences, group)
                 if self.sharded:  # reduce gradients once, after the last micro-batch
@@ -226,13 +258,15 @@ class Learner:
                     logprobs, entropy = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
                                                        self.settings.temperature, with_entropy=self.settings.track_entropy)
                 loss, stats = loss_fn(logprobs, batch, normalizer, entropy)
+                if not filler and not bad_loss and not bool(torch.isfinite(loss.detach()).all()):
+                    bad_loss = float(loss.detach().float().reshape(-1)[0])
                 # FSDP averages gradients over ranks; each rank's loss is its share of the
                 # batch sum, so scale back up to get the gradient of the whole batch's loss.
                 scale = 0.0 if filler else float(self.world.size)
                 (loss * scale).backward()
                 if not filler:
                     parts.append({k: float(v) for k, v in stats.items()})
-            norms.append(self._clip_and_step())
+            norms.append(self._clip_and_step(bad_loss))
             gathered = self.world.gather(parts)
             if gathered is not None:
                 passes.append(combine_stats([p for rank_parts in gathered for p in rank_parts]))
@@ -244,16 +278,29 @@ class Learner:
                       seconds=time.perf_counter() - started)
         return result
 
-    def _clip_and_step(self) -> float:
+    def _clip_and_step(self, bad_loss: float = 0.0) -> float:
+        """Clip, check, step, check. A non-finite loss (on any rank) or gradient norm raises
+        before the optimizer moves anything; weights made non-finite by the step raise after
+        it (the caller must not push or save them). Every rank decides alike."""
         limit = self.settings.optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, limit if limit > 0 else math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
             norm = norm.full_tensor()
+        norm = float(norm)
+        if self.world.max(1 if bad_loss else 0):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError("loss", f"{bad_loss if bad_loss else 'NaN or infinite'} (on some rank)"
+                                 if self.world.distributed else f"{bad_loss}")
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError("gradient norm", f"{norm}")
         self.optimizer.step()
         self.scheduler.step()
         self.updates += 1
-        return float(norm)
+        if self.world.max(0 if weights_finite(params) else 1):
+            raise NonFiniteError("weights", "non-finite after the update")
+        return norm
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -373,6 +420,17 @@ class Learner:
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def weights_finite(params: SequenceOf[torch.Tensor]) -> bool:
+    """Whether every (local shard of a) parameter is finite: one fused reduction per device,
+    about the cost of reading the weights once, small next to the update that wrote them."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    local = [p.detach() for p in local if p.numel()]
+    if not local:
+        return True
+    norms = torch._foreach_norm(local)  # NaN or inf in a tensor makes its norm NaN or inf
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 
 def pad_token_id(tokenizer) -> int:

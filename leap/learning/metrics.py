@@ -7,7 +7,9 @@ An event is a dict with the fields of `leap.common.v1.MetricEvent` plus a sequen
      "values": {"loss": 0.12, "pass_at_1/turn_1": 0.25}, "message": "", "state": 2}
 
 Kinds: "train" (one step), "eval" (an evaluation pass), "state" (a change of run state),
-"checkpoint" and "log". TensorBoard gets "train" and "eval" values as `<kind>/<name>`.
+"checkpoint" and "log". TensorBoard gets "train" and "eval" values as `<kind>/<name>`, and so
+do the experiment trackers attached to the log (`attach`: MLflow, W&B, trackio; see
+`leap.learning.reporters`), which also get the run's plots when they are detached.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from leap.learning import reporters
 
 EVENTS_FILE = "events.jsonl"
 SCALAR_KINDS = ("train", "eval")
@@ -50,6 +54,7 @@ class MetricsLog:
         self._writer: Any = None
         self._purge_step: int | None = None
         self.next_seq = 1 + max((e["seq"] for e in self.read()), default=0)
+        self.reporters: list = []  # experiment trackers (leap.learning.reporters), while a run is executing
 
     def append(self, event: dict[str, Any]) -> dict[str, Any]:
         """Record `event` (given a sequence number) and return it."""
@@ -60,7 +65,25 @@ class MetricsLog:
                 f.write(json.dumps(event, allow_nan=True) + "\n")
             if event.get("kind") in SCALAR_KINDS and self._tensorboard:
                 self._scalars(event)
+            if event.get("kind") in SCALAR_KINDS and self.reporters:
+                self.reporters = reporters.report(self.reporters, "scalars", event["kind"], int(event["step"]),
+                                                  reporters.finite(event.get("values", {})), event.get("time", 0.0))
         return event
+
+    def attach(self, trackers: list) -> None:
+        """Hand "train" and "eval" events to these trackers from now on."""
+        with self._lock:
+            self.reporters = list(trackers)
+
+    def detach(self, state: str) -> None:
+        """Give the attached trackers the run's plots (`*.png` of its directory) and its end
+        state ("SUCCEEDED", "FAILED", "STOPPED"), and let them go."""
+        with self._lock:
+            attached, self.reporters = self.reporters, []
+        for path in sorted(self.directory.glob("*.png")):
+            attached = reporters.report(attached, "artifact", path)
+        for reporter in attached:
+            reporters.close_quietly(reporter, state)
 
     def read(self, from_step: int = 0) -> list[dict[str, Any]]:
         """Recorded events with step >= from_step, in order (a torn last line is skipped)."""

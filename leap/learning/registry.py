@@ -21,13 +21,24 @@ resume from the last checkpoint (the metric log is rewound to it, so no step is 
 twice), pages of runs newest first, a replayable event log with live followers, and
 recovery after a restart (runs that were RUNNING become FAILED with the cause and, with
 `auto_resume`, continue from their last checkpoint).
+
+One run owns its output directory. `start` claims it with an owner file (`.leap-run`,
+created exclusively, naming the run) and refuses a directory that another run owns, that
+holds an older run's checkpoints or events, or that another process is training in
+(`OutputDirTaken`). While its job runs, the worker holds an exclusive `flock` on
+`.leap-run.lock` in the directory; the kernel drops it when the process dies, however it
+dies, so a killed trainer never leaves the directory locked, and two processes (two
+services on one runs directory, or one started twice) never train the same run at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import threading
@@ -40,6 +51,7 @@ from typing import Any
 from leap.common.v1 import common_pb2
 from leap.learning import checkpoint as ckpt
 from leap.learning.metrics import MetricsLog
+from leap.learning.reporters import TrackedRun, open_reporters
 from leap.runtime.logging import get_logger
 
 RunState = common_pb2.RunState
@@ -49,6 +61,9 @@ ACTIVE = (PENDING, RUNNING, STOPPING)
 TERMINAL = (STOPPED, SUCCEEDED, FAILED)
 RESUMABLE = (STOPPED, FAILED)
 RUN_FILE = "run.json"
+OWNER_FILE = ".leap-run"  # in a run's output directory: the id of the run that owns it
+LOCK_FILE = ".leap-run.lock"  # flock-ed by the process training the run, for as long as it does
+RUN_DATA = ("checkpoints", "events.jsonl")  # what a directory that held a run has
 
 log = get_logger("leap.runs")
 
@@ -77,6 +92,85 @@ class RunFailure(Exception):
     """A job's failure whose message is already what a person should read (no type prefix)."""
 
 
+class OutputDirTaken(RunStateError):
+    """Another run owns the output directory, or another process is training in it."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "OUTPUT_DIR_IN_USE")
+
+
+class DirLock:
+    """An exclusive `flock` on `<directory>/.leap-run.lock`, held by this process until
+    `release` (or its death: the kernel drops it). The lock file holds the holder's pid, for
+    messages only."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> DirLock:
+        """Take the lock, or `OutputDirTaken` naming the process that holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise OutputDirTaken(f"output_dir {str(self.path.parent)!r} is in use: process {holder_of(self.path)} is "
+                                 "training a run in it; choose another directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
+def holder_of(lock_file: Path) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        return str(int(lock_file.read_text().strip()))
+    return "(unknown)"
+
+
+def claim_output_dir(directory: str | os.PathLike, run_id: str) -> None:
+    """Make `directory` the output directory of `run_id` (creating it), or `OutputDirTaken`
+    when another run owns it, an older run left its data there, or a process trains in it."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    owner = path / OWNER_FILE
+    try:
+        fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        other = owner.read_text().strip() or "(being claimed)"
+        if other != run_id:
+            raise OutputDirTaken(f"output_dir {str(path)!r} belongs to run {other} (its checkpoints and events are "
+                                 f"there; {OWNER_FILE} names it): choose another directory, or resume run {other}") from None
+        return
+    try:
+        leftovers = [name for name in RUN_DATA if (path / name).exists()]
+        if leftovers:
+            raise OutputDirTaken(f"output_dir {str(path)!r} holds {' and '.join(leftovers)} of an earlier run: a new "
+                                 "run there would resume from them or mix its events with theirs; choose an empty "
+                                 "directory")
+        probe = DirLock(path).acquire()  # a process of an older version training there without an owner file
+        probe.release()
+        os.write(fd, f"{run_id}\n".encode())
+    except BaseException:
+        os.close(fd)
+        fd = -1
+        with contextlib.suppress(OSError):
+            owner.unlink()
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 @dataclasses.dataclass
 class RunRecord:
     """Everything persisted about one run (run.json)."""
@@ -98,6 +192,7 @@ class RunRecord:
     attempts: int = 0  # times a worker started it (1 + resumes)
     resume_on_start: bool = False  # stopped by a service shutdown: continue at the next start
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job's own JSON state
+    report_to: list[str] = dataclasses.field(default_factory=list)  # experiment trackers (leap.learning.reporters)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunRecord:
@@ -159,8 +254,9 @@ class RunRegistry:
     """See the module docstring. Methods are thread-safe; `events` is async."""
 
     def __init__(self, root: str | os.PathLike, job_factory: JobFactory, *, max_concurrent: int = 1,
-                 auto_resume: bool = True, tensorboard: bool = True):
+                 auto_resume: bool = True, tensorboard: bool = True, service: str = ""):
         self.root = Path(root)
+        self.service = service  # the service's name, a tag of tracker runs
         self.job_factory = job_factory
         self.max_concurrent = max(1, max_concurrent)
         self.auto_resume = auto_resume
@@ -237,7 +333,8 @@ class RunRegistry:
             return self._copy(self._records[run_id]) if run_id else None
 
     def start(self, request_id: str, config: dict[str, Any], fingerprint: str, total_steps: int, *,
-              output_dir: str = "", display_name: str = "") -> tuple[RunRecord, bool]:
+              output_dir: str = "", display_name: str = "", report_to: list[str] | tuple[str, ...] = ()
+              ) -> tuple[RunRecord, bool]:
         """Create and queue a run; (record, created). The same request id returns the same run;
         with a different fingerprint it is a `RequestConflict`."""
         with self._lock:
@@ -250,9 +347,15 @@ class RunRegistry:
             run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             record = RunRecord(run_id=run_id, request_id=request_id, config=config, fingerprint=fingerprint,
                                total_steps=total_steps, output_dir=output_dir or str(self.root / run_id),
-                               display_name=display_name)
+                               display_name=display_name, report_to=list(report_to))
+            mine = Path(record.output_dir).resolve()
+            for other in self._records.values():
+                if Path(other.output_dir).resolve() == mine:
+                    raise OutputDirTaken(f"output_dir {record.output_dir!r} belongs to run {other.run_id} "
+                                         f"({state_name(other.state)}): choose another directory, or resume run "
+                                         f"{other.run_id}")
+            claim_output_dir(record.output_dir, run_id)
             (self.root / run_id).mkdir(parents=True, exist_ok=True)
-            Path(record.output_dir).mkdir(parents=True, exist_ok=True)
             self._records[run_id] = record
             self._by_request[request_id] = run_id
             self._transition(record, PENDING, "accepted")
@@ -440,29 +543,45 @@ class RunRegistry:
             thread.start()
 
     def _work(self, run_id: str) -> None:
-        """A worker thread: run the job, then record how it ended."""
+        """A worker thread: open the run's trackers, run the job, then record how it ended."""
         error = ""
+        metrics = self.metrics_log(run_id)
+        lock = DirLock(self.get(run_id).output_dir)
         try:
+            lock.acquire()  # held while the job runs: no other process trains in this directory meanwhile
             context = RunContext(self, run_id)
-            job = self.job_factory(self.get(run_id))
+            record = self.get(run_id)
+            if record.report_to:
+                metrics.attach(open_reporters(record.report_to, TrackedRun(
+                    run_id=run_id, display_name=record.display_name, config=record.config,
+                    output_dir=Path(record.output_dir), runs_dir=self.root, service=self.service)))
+            job = self.job_factory(record)
             job(context)
         except BaseException as err:  # noqa: BLE001 - every failure of a job is the run's failure
-            error = str(err) if isinstance(err, RunFailure) else f"{type(err).__name__}: {err}"
+            error = str(err) if isinstance(err, (RunFailure, OutputDirTaken)) else f"{type(err).__name__}: {err}"
             log.exception("run failed", run_id=run_id)
         with self._lock:
             record = self._records[run_id]
-            self._workers.pop(run_id, None)
             if error:
-                record.error = error
-                self._transition(record, FAILED, f"failed: {error}")
+                record.error, state, message = error, FAILED, f"failed: {error}"
             elif self._stop_flags[run_id].is_set() and record.step < record.total_steps:
-                self._transition(record, STOPPED, f"stopped at step {record.step}"
-                                 + ("; resumes at the next service start" if record.resume_on_start else ""))
+                state, message = STOPPED, (f"stopped at step {record.step}"
+                                           + ("; resumes at the next service start" if record.resume_on_start else ""))
             elif record.step >= record.total_steps:
-                self._transition(record, SUCCEEDED, f"finished {record.step} steps")
+                state, message = SUCCEEDED, f"finished {record.step} steps"
             else:
                 record.error = f"the job returned at step {record.step} of {record.total_steps} without a stop request"
-                self._transition(record, FAILED, record.error)
+                state, message = FAILED, record.error
+        # The trackers get the plots and the end state before the run is seen to end, so a
+        # client that waits for the end finds the tracker run complete; outside the registry's
+        # lock, as they may upload files, and while the run's directory is still this process's.
+        try:
+            metrics.detach(state_name(state))
+        finally:
+            lock.release()
+        with self._lock:
+            self._workers.pop(run_id, None)
+            self._transition(record, state, message)
             self._schedule()
 
 

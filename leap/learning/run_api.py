@@ -30,15 +30,45 @@ import os
 from types import ModuleType
 from typing import Any
 
+import grpc
 from google.protobuf import json_format, timestamp_pb2
 from google.protobuf.message import Message
+from google.rpc import error_details_pb2
 
 from leap.common.v1 import common_pb2
-from leap.learning.registry import RequestConflict, RunNotFound, RunRecord, RunRegistry, RunStateError
+from leap.learning.registry import (
+    OutputDirTaken, RequestConflict, RunNotFound, RunRecord, RunRegistry, RunStateError,
+)
 from leap.runtime import ServerConfig, Violations, failed_precondition, invalid_argument, not_found, option
+from leap.runtime.errors import ServiceError
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 50
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+SYSTEM_TREES = ("/proc", "/sys", "/dev")  # kernel interfaces, not storage
+
+
+def output_dir_problem(path: str) -> str | None:
+    """Why `path` cannot be a run's output directory (None when it can): too long, inside
+    /proc, /sys or /dev, an existing file, or under a folder that cannot be written."""
+    if len(path) > MAX_PATH_CHARS:
+        return f"must be at most {MAX_PATH_CHARS} characters, got {len(path)}"
+    if "\0" in path:
+        return "must not contain a NUL character"
+    resolved = os.path.realpath(os.path.expanduser(path))
+    for tree in SYSTEM_TREES:
+        if resolved == tree or resolved.startswith(tree + "/"):
+            return f"{path!r} is inside {tree}, a kernel interface, not storage: choose a directory on a disk"
+    if os.path.exists(resolved) and not os.path.isdir(resolved):
+        return f"{path!r} exists and is not a directory"
+    existing = resolved
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing!r} is a file, so {path!r} cannot be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing!r} is not writable by the service (uid {os.getuid()}), so {path!r} cannot be used"
+    return None
 
 
 def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
@@ -105,7 +135,8 @@ class RunApi:
 
     def make_registry(self, settings: RunServiceConfig) -> RunRegistry:
         return RunRegistry(settings.runs_dir, self.make_job, max_concurrent=settings.max_concurrent_runs,
-                           auto_resume=settings.auto_resume, tensorboard=settings.tensorboard)
+                           auto_resume=settings.auto_resume, tensorboard=settings.tensorboard,
+                           service=self.messages.DESCRIPTOR.package.split(".")[1])
 
     async def start(self) -> None:
         """Load the persisted runs (the service's on_start)."""
@@ -152,6 +183,10 @@ class RunApi:
         violations.check(bool(request.request_id), "request_id", "is required (a client-chosen idempotency key)")
         violations.check(request.HasField("config"), "config", "is required")
         violations.raise_if_any()
+        output_dir = getattr(request.config, "output_dir", "")
+        if output_dir:  # reported with the config's other problems, in one error
+            problem = output_dir_problem(output_dir)
+            violations.check(problem is None, "config.output_dir", problem or "")
         fingerprint = config_fingerprint(request.config)
         existing = self.registry.find_request(request.request_id)
         if existing is not None:
@@ -159,13 +194,29 @@ class RunApi:
                 raise failed_precondition(f"request_id {request.request_id!r} was already used for run "
                                           f"{existing.run_id} with a different config", "REQUEST_ID_REUSED")
             return self.messages.StartRunResponse(run=self.run_message(existing))
-        config, total_steps = await self.prepare_config(request.config)
+        try:
+            config, total_steps = await self.prepare_config(request.config)
+        except ServiceError as err:
+            if not violations.items or err.code != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            for detail in err.details:
+                if isinstance(detail, error_details_pb2.BadRequest):
+                    for item in detail.field_violations:
+                        violations.add(item.field, item.description)
+            violations.raise_if_any()
+            raise
+        violations.raise_if_any()
         try:
             record, _ = self.registry.start(
                 request.request_id, config_to_json(config), fingerprint, total_steps,
-                output_dir=getattr(config, "output_dir", ""), display_name=getattr(config, "display_name", ""))
+                output_dir=getattr(config, "output_dir", ""), display_name=getattr(config, "display_name", ""),
+                report_to=list(getattr(config, "report_to", ())))
         except RequestConflict as err:
             raise failed_precondition(str(err), "REQUEST_ID_REUSED") from None
+        except OutputDirTaken as err:
+            raise failed_precondition(str(err), err.reason) from None
+        except OSError as err:  # the directory could not be created after all (a full disk, a race)
+            raise invalid_argument("config.output_dir", f"cannot be created: {err}") from None
         return self.messages.StartRunResponse(run=self.run_message(record))
 
     async def GetRun(self, request, context):

@@ -3,6 +3,7 @@
 from leap.runtime.config import DEFAULT_PORTS, ServerConfig, local_address, option
 from leap.runtime.errors import (
     ServiceError,
+    StartupError,
     Violations,
     failed_precondition,
     invalid_argument,
@@ -19,6 +20,7 @@ __all__ = [
     "Service",
     "ServiceError",
     "ServiceSpec",
+    "StartupError",
     "Violations",
     "failed_precondition",
     "invalid_argument",

@@ -12,6 +12,7 @@ table is used, so one file can configure a whole stack; otherwise its top-level 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import tomllib
@@ -50,10 +51,46 @@ class ServerConfig:
     drain_seconds: float = option(1.0, "On SIGTERM, how long health reports NOT_SERVING while calls are still accepted, "
                                   "so load balancers and probes move away first, in seconds.")
     grace_seconds: float = option(10.0, "After the drain, how long in-flight calls may take to finish, in seconds.")
-    auth_token: str = option("", "When set, every call but health checks must send 'authorization: Bearer <token>'.")
+    auth_token: str = option("", "When set, every call but health checks must send 'authorization: Bearer <token>'. "
+                                 "From the environment (LEAP_AUTH_TOKEN) or a config file only: a flag would show "
+                                 "the token to every user of the machine (ps, /proc/PID/cmdline).", flag=False)
+    auth_token_file: str = option("", "A file holding the token of auth_token (surrounding whitespace ignored), read at "
+                                      "start; for secrets mounted as files (Docker and Kubernetes secrets).")
     tls_cert: str = option("", "PEM certificate file; with tls_key, serve TLS instead of plaintext.")
     tls_key: str = option("", "PEM private key file of tls_cert.")
     tls_client_ca: str = option("", "PEM CA file; when set, clients must present a certificate it signed (mTLS).")
+
+
+COMMAND_LINE_SECRET = ("is not accepted on the command line: every user of the machine can read a command line "
+                       "(ps, /proc/PID/cmdline). Use the LEAP_AUTH_TOKEN environment variable or a token file "
+                       "(--auth-token-file FILE)")
+
+
+class SecretOnCommandLine(argparse.Action):
+    """An argparse action for a flag that must not carry a secret: it fails with the reason."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} {COMMAND_LINE_SECRET}")
+
+
+def read_token_file(path: str | os.PathLike) -> str:
+    """The token in `path` (surrounding whitespace stripped); ValueError names the file."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise ValueError(f"auth_token_file {str(path)!r} cannot be read: {err.strerror or err}") from None
+    if not token:
+        raise ValueError(f"auth_token_file {str(path)!r} is empty")
+    return token
+
+
+def resolve_auth_token(config: ServerConfig) -> str:
+    """The token every call must carry: auth_token, else the content of auth_token_file."""
+    if config.auth_token and config.auth_token_file:
+        raise ValueError("set auth_token or auth_token_file, not both")
+    if config.auth_token_file:
+        return read_token_file(config.auth_token_file)
+    return config.auth_token
 
 
 def fields_of(cls: type) -> list[dataclasses.Field]:
@@ -125,7 +162,10 @@ def load(
         if value is not None:
             values[name] = value
     parsed = {name: parse_value(field_type(cls, known[name]), value, name) for name, value in values.items()}
-    return cls(**parsed)
+    config = cls(**parsed)
+    if isinstance(config, ServerConfig) and config.auth_token_file:
+        config.auth_token = resolve_auth_token(config)  # read now: a missing file is a start-up error
+    return config
 
 
 def read_config_file(path: str | os.PathLike, service: str) -> dict[str, Any]:
@@ -146,6 +186,7 @@ def describe(cls: type, service: str) -> str:
     lines = []
     for f in fields_of(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  --{f.name.replace('_', '-'):<28} {env_name(service, f.name):<40} default: {default!r}")
+        flag = f"--{f.name.replace('_', '-')}" if f.metadata.get("flag", True) else "(no flag)"
+        lines.append(f"  {flag:<30} {env_name(service, f.name):<40} default: {default!r}")
         lines.append(f"      {f.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -20,6 +20,11 @@ from grpc_status import rpc_status
 ERROR_DOMAIN = "leap.dev"
 
 
+class StartupError(Exception):
+    """A service cannot start as configured (one line, for the operator: what is missing and
+    which setting changes it). `leap serve` prints it and exits non-zero."""
+
+
 class ServiceError(Exception):
     """An error meant for the client: a status code, a message and rich details."""
 
@@ -131,3 +136,8 @@ def violated_fields(error: grpc.RpcError) -> list[str]:
     """Client side: the fields a failed call's `BadRequest` names (empty when it has none)."""
     return [violation.field for detail in details_of(error) if isinstance(detail, error_details_pb2.BadRequest)
             for violation in detail.field_violations]
+
+
+def error_reasons(error: grpc.RpcError) -> list[str]:
+    """Client side: the `ErrorInfo` reasons of a failed call (empty when it has none)."""
+    return [detail.reason for detail in details_of(error) if isinstance(detail, error_details_pb2.ErrorInfo)]

@@ -26,9 +26,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from leap.runtime.config import DEFAULT_PORTS, ServerConfig
+from leap.runtime.config import DEFAULT_PORTS, ServerConfig, resolve_auth_token
 from leap.runtime.interceptors import CallInterceptor
-from leap.runtime.logging import configure_logging, get_logger
+from leap.runtime.logging import configure_logging, get_logger, library_output_as_logs
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -98,7 +98,7 @@ class Server:
         self.config = config
         self.log = get_logger(f"leap.{service.name}")
         self.health = health.aio.HealthServicer()
-        self.interceptor = CallInterceptor(config.auth_token, exempt_prefixes=(f"/{HEALTH_SERVICE}/",))
+        self.interceptor = CallInterceptor(resolve_auth_token(config), exempt_prefixes=(f"/{HEALTH_SERVICE}/",))
         self.grpc_server = grpc.aio.server(interceptors=[self.interceptor], options=server_options(config))
         self.port = 0
         self._stopped = asyncio.Event()
@@ -130,12 +130,16 @@ class Server:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc_server.start()
         if self.service.on_start is not None:
-            await self.service.on_start()
+            try:
+                await self.service.on_start()
+            except BaseException:  # a service that cannot start (StartupError): nothing keeps listening
+                await self.grpc_server.stop(0)
+                raise
         self.interceptor.starting = False
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.log.info("serving", address=self.address, services=names, tls=credentials is not None,
-                      auth=bool(self.config.auth_token))
+                      auth=bool(self.interceptor.expected_auth))
 
     async def wait(self) -> None:
         await self._stop_requested.wait()
@@ -172,8 +176,9 @@ def run(spec: ServiceSpec, config: ServerConfig) -> None:
     configure_logging(config.log_level, service=spec.name)
     # `kill -USR1 PID` prints every thread's stack to stderr: how to see where a service hangs.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    service = spec.build(config)
-    asyncio.run(serve(service, config))
+    with library_output_as_logs():  # progress bars, library loggers and prints: JSON lines too
+        service = spec.build(config)
+        asyncio.run(serve(service, config))
 
 
 class BackgroundServer:

@@ -41,14 +41,6 @@ def torch_version() -> str:
 
 
 class KernelbenchToolchain(Toolchain):
-    @staticmethod
-    def drops_privileges(zygote: Zygote) -> bool:
-        """KernelBench candidates import lazily from the Python installation and build against
-        its headers (load_inline). Where the candidates' uid cannot read it (a pyenv under
-        /root, say), they run as the service's user instead, still in their own session,
-        limits and network namespace; the service logs this at start."""
-        return not zygote.python_unreadable
-
     def device(self, request) -> str:
         wanted = self.settings.kernelbench_device
         if wanted == "cpu" or (wanted == "auto" and self.evaluator.devices.cuda_count == 0):
@@ -60,7 +52,7 @@ class KernelbenchToolchain(Toolchain):
         key = ("kernelbench", task_id, device, hashlib.sha256(problem.encode()).hexdigest())
 
         def compute() -> dict[str, Any] | None:
-            with self.evaluator.job_dir(zygote, service_owned=True) as folder:
+            with self.evaluator.job_dir(zygote) as folder:  # a run job, as the slot's uid (no candidate code)
                 place(folder / "problem.py", problem)
                 events = self.evaluator.talk(zygote, {"kind": "kernelbench_probe", "problem": "problem.py",
                                                       "device": device, "model_seed": model_seed,
@@ -113,16 +105,16 @@ class KernelbenchToolchain(Toolchain):
         common = {"problem": "problem.py", "device": device, "model_seed": request.seed, "inputs": probe["inputs"],
                   "threads": settings.threads, "device_sync": request.on(Check.CHECK_DEVICE_SYNC),
                   "l2_flush": request.on(Check.CHECK_L2_FLUSH), "memory_bytes": 0 if cuda else settings.memory_bytes}
-        drops = self.drops_privileges(zygote)
-        # No CPU-time limit (a build runs many compiler processes); no RLIMIT_NPROC without a
-        # uid of its own (it would count the service user's processes).
-        limits = dataclasses.replace(self.limits(options, cpu=False, processes=drops),
+        # No CPU-time limit (a build runs many compiler processes). (Where the candidates' uid
+        # cannot read the Python installation, which load_inline builds against, the service
+        # refuses the toolchain.)
+        limits = dataclasses.replace(self.limits(options, cpu=False, processes=True),
                                      file_bytes=max(settings.file_bytes, 1 << 30))
         limits = dataclasses.replace(limits, processes=max(limits.processes, 256) if limits.processes else 0)
         env = {"TORCH_EXTENSIONS_DIR": str(cwd / "torch_extensions"), "MAX_JOBS": str(max(1, settings.threads)),
                "PYTHONDONTWRITEBYTECODE": "1"}
         candidate = self.job({"kind": "kernelbench", "candidate": "candidate.py", **common}, cwd, limits, "run.log",
-                             drop_privileges=drops, env=env)
+                             drop_privileges=True, env=env)
         reference = ReferenceJob({"kind": "kernelbench_reference", **common}, self.limits(options, cpu=False, processes=False),
                                  {"problem.py": problem}, env={"PYTHONDONTWRITEBYTECODE": "1"})
         sampling = None

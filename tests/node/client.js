@@ -1,7 +1,8 @@
-// A Node.js client of a LEAP service, built only from the .proto files in protos/ (plus the
-// standard health proto and the googleapis status protos for rich error details).
+// A Node.js client of a LEAP service, built only from the .proto files in protos/ (the
+// contracts and googleapis' google/rpc protos beside them, for rich error details) plus the
+// standard health proto.
 //
-//   node client.js ADDRESS GOOGLEAPIS_PROTO_DIR
+//   node client.js ADDRESS
 //
 // Prints one JSON object: the health status, the reply of RewardService.Rank on a small
 // group, and the decoded status of a Rank call with no groups (INVALID_ARGUMENT + BadRequest).
@@ -11,7 +12,7 @@ const path = require("path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
-const [address, googleapisDir] = process.argv.slice(2);
+const [address] = process.argv.slice(2);
 const protosDir = path.resolve(__dirname, "..", "..", "protos");
 const healthDir = path.dirname(require.resolve("grpc-health-check/proto/health/v1/health.proto"));
 const options = { keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true };
@@ -23,7 +24,7 @@ function load(file, includeDirs) {
 const leap = load("leap/reward/v1/reward.proto", [protosDir]).leap;
 const health = load("health.proto", [healthDir]).grpc.health.v1;
 const rpcStatus = protoLoader.loadSync(["google/rpc/status.proto", "google/rpc/error_details.proto"], {
-  ...options, includeDirs: [googleapisDir],
+  ...options, includeDirs: [protosDir],
 });
 const root = grpc.loadPackageDefinition(rpcStatus);
 
@@ -37,7 +38,6 @@ function call(client, method, request) {
 function richDetails(error) {
   const raw = error.metadata && error.metadata.get("grpc-status-details-bin")[0];
   if (!raw) return [];
-  const Status = rpcStatus["google.rpc.Status"];
   const status = root.google.rpc.Status.deserialize(raw);
   return status.details.map((any) => {
     const typeName = any.type_url.split("/").pop();

@@ -253,7 +253,8 @@ class MetricEvent(_message.Message):
     """Optimizer step the event describes (0 before the first step)."""
     kind: _builtins.str
     """What the values describe: "train" (one step), "eval" (an evaluation pass), "state"
-    (a change of run state), "checkpoint" or "log".
+    (a change of run state), "checkpoint", "log", or "warning" (something a person should
+    look at while the run goes on, for example a run with no learning signal).
     """
     message: _builtins.str
     """Human-readable text, for "state" and "log" events."""

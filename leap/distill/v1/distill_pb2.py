@@ -26,53 +26,54 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from leap.common.v1 import common_pb2 as leap_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dleap/distill/v1/distill.proto\x12\x0fleap.distill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1bleap/common/v1/common.proto\"?\n\x0fTeacherEndpoint\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"\xbe\x06\n\rDistillConfig\x12\x1a\n\x12student_model_path\x18\x01 \x01(\t\x12\x17\n\x0fstudent_address\x18\x02 \x01(\t\x12\x15\n\rstudent_model\x18\x03 \x01(\t\x12\x1a\n\x12teacher_union_path\x18\x04 \x01(\t\x12\x32\n\x08teachers\x18\x05 \x03(\x0b\x32 .leap.distill.v1.TeacherEndpoint\x12\x17\n\x0fsandbox_address\x18\x06 \x01(\t\x12,\n\ttoolchain\x18\x07 \x01(\x0e\x32\x19.leap.common.v1.Toolchain\x12\r\n\x05steps\x18\x08 \x01(\x05\x12\x19\n\x11\x65xamples_per_step\x18\t \x01(\x05\x12\x1b\n\x13samples_per_example\x18\n \x01(\x05\x12\x31\n\x08sampling\x18\x0b \x01(\x0b\x32\x1f.leap.common.v1.RolloutSampling\x12\x32\n\toptimizer\x18\x0c \x01(\x0b\x32\x1f.leap.common.v1.OptimizerConfig\x12-\n\tobjective\x18\r \x01(\x0e\x32\x1a.leap.distill.v1.Objective\x12\"\n\x15reliability_threshold\x18\x0e \x01(\x01H\x00\x88\x01\x01\x12\x17\n\ncrd_lambda\x18\x0f \x01(\x01H\x01\x88\x01\x01\x12\"\n\x1a\x64isable_reliability_gating\x18\x10 \x01(\x08\x12!\n\x19\x64isable_quality_weighting\x18\x11 \x01(\x08\x12\x1b\n\x13single_best_teacher\x18\x12 \x01(\x08\x12\x18\n\x10\x63heckpoint_every\x18\x13 \x01(\x05\x12\x12\n\neval_every\x18\x14 \x01(\x05\x12\x14\n\x0c\x65val_samples\x18\x15 \x01(\x05\x12\x13\n\x0btrain_tasks\x18\x16 \x03(\t\x12\x12\n\neval_tasks\x18\x17 \x03(\t\x12\x0c\n\x04seed\x18\x18 \x01(\x04\x12\x12\n\noutput_dir\x18\x19 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x1a \x01(\tB\x18\n\x16_reliability_thresholdB\r\n\x0b_crd_lambda\"\xa1\x03\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.leap.common.v1.RunState\x12.\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x1e.leap.distill.v1.DistillConfig\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x06 \x01(\x03\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\t \x01(\t\x12?\n\x0elatest_metrics\x18\n \x03(\x0b\x32\'.leap.distill.v1.Run.LatestMetricsEntry\x12\x12\n\noutput_dir\x18\x0b \x01(\t\x1a\x34\n\x12LatestMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"U\n\x0fStartRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1e.leap.distill.v1.DistillConfig\"5\n\x10StartRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.leap.distill.v1.Run\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"3\n\x0eGetRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.leap.distill.v1.Run\"a\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.leap.common.v1.RunState\"O\n\x10ListRunsResponse\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.leap.distill.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"4\n\x0fStopRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.leap.distill.v1.Run\"\"\n\x10ResumeRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"6\n\x11ResumeRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.leap.distill.v1.Run\"L\n\x14StreamMetricsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\x12\x11\n\tno_follow\x18\x03 \x01(\x08\"C\n\x15StreamMetricsResponse\x12*\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1b.leap.common.v1.MetricEvent\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"J\n\x17ListCheckpointsResponse\x12/\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1a.leap.common.v1.Checkpoint*n\n\tObjective\x12\x19\n\x15OBJECTIVE_UNSPECIFIED\x10\x00\x12\x1a\n\x16OBJECTIVE_WEIGHTED_OPD\x10\x01\x12\x17\n\x13OBJECTIVE_CONSENSUS\x10\x02\x12\x11\n\rOBJECTIVE_CRD\x10\x03\x32\xe7\x04\n\x0e\x44istillService\x12O\n\x08StartRun\x12 .leap.distill.v1.StartRunRequest\x1a!.leap.distill.v1.StartRunResponse\x12I\n\x06GetRun\x12\x1e.leap.distill.v1.GetRunRequest\x1a\x1f.leap.distill.v1.GetRunResponse\x12O\n\x08ListRuns\x12 .leap.distill.v1.ListRunsRequest\x1a!.leap.distill.v1.ListRunsResponse\x12L\n\x07StopRun\x12\x1f.leap.distill.v1.StopRunRequest\x1a .leap.distill.v1.StopRunResponse\x12R\n\tResumeRun\x12!.leap.distill.v1.ResumeRunRequest\x1a\".leap.distill.v1.ResumeRunResponse\x12`\n\rStreamMetrics\x12%.leap.distill.v1.StreamMetricsRequest\x1a&.leap.distill.v1.StreamMetricsResponse0\x01\x12\x64\n\x0fListCheckpoints\x12\'.leap.distill.v1.ListCheckpointsRequest\x1a(.leap.distill.v1.ListCheckpointsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dleap/distill/v1/distill.proto\x12\x0fleap.distill.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1bleap/common/v1/common.proto\"?\n\x0fTeacherEndpoint\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"\xd1\x06\n\rDistillConfig\x12\x1a\n\x12student_model_path\x18\x01 \x01(\t\x12\x17\n\x0fstudent_address\x18\x02 \x01(\t\x12\x15\n\rstudent_model\x18\x03 \x01(\t\x12\x1a\n\x12teacher_union_path\x18\x04 \x01(\t\x12\x32\n\x08teachers\x18\x05 \x03(\x0b\x32 .leap.distill.v1.TeacherEndpoint\x12\x17\n\x0fsandbox_address\x18\x06 \x01(\t\x12,\n\ttoolchain\x18\x07 \x01(\x0e\x32\x19.leap.common.v1.Toolchain\x12\r\n\x05steps\x18\x08 \x01(\x05\x12\x19\n\x11\x65xamples_per_step\x18\t \x01(\x05\x12\x1b\n\x13samples_per_example\x18\n \x01(\x05\x12\x31\n\x08sampling\x18\x0b \x01(\x0b\x32\x1f.leap.common.v1.RolloutSampling\x12\x32\n\toptimizer\x18\x0c \x01(\x0b\x32\x1f.leap.common.v1.OptimizerConfig\x12-\n\tobjective\x18\r \x01(\x0e\x32\x1a.leap.distill.v1.Objective\x12\"\n\x15reliability_threshold\x18\x0e \x01(\x01H\x00\x88\x01\x01\x12\x17\n\ncrd_lambda\x18\x0f \x01(\x01H\x01\x88\x01\x01\x12\"\n\x1a\x64isable_reliability_gating\x18\x10 \x01(\x08\x12!\n\x19\x64isable_quality_weighting\x18\x11 \x01(\x08\x12\x1b\n\x13single_best_teacher\x18\x12 \x01(\x08\x12\x18\n\x10\x63heckpoint_every\x18\x13 \x01(\x05\x12\x12\n\neval_every\x18\x14 \x01(\x05\x12\x14\n\x0c\x65val_samples\x18\x15 \x01(\x05\x12\x13\n\x0btrain_tasks\x18\x16 \x03(\t\x12\x12\n\neval_tasks\x18\x17 \x03(\t\x12\x0c\n\x04seed\x18\x18 \x01(\x04\x12\x12\n\noutput_dir\x18\x19 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x1a \x01(\t\x12\x11\n\treport_to\x18( \x03(\tB\x18\n\x16_reliability_thresholdB\r\n\x0b_crd_lambda\"\xa1\x03\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.leap.common.v1.RunState\x12.\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x1e.leap.distill.v1.DistillConfig\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x06 \x01(\x03\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\t \x01(\t\x12?\n\x0elatest_metrics\x18\n \x03(\x0b\x32\'.leap.distill.v1.Run.LatestMetricsEntry\x12\x12\n\noutput_dir\x18\x0b \x01(\t\x1a\x34\n\x12LatestMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"U\n\x0fStartRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1e.leap.distill.v1.DistillConfig\"5\n\x10StartRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.leap.distill.v1.Run\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"3\n\x0eGetRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.leap.distill.v1.Run\"a\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.leap.common.v1.RunState\"O\n\x10ListRunsResponse\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.leap.distill.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"4\n\x0fStopRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.leap.distill.v1.Run\"\"\n\x10ResumeRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"6\n\x11ResumeRunResponse\x12!\n\x03run\x18\x01 \x01(\x0b\x32\x14.leap.distill.v1.Run\"L\n\x14StreamMetricsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\x12\x11\n\tno_follow\x18\x03 \x01(\x08\"C\n\x15StreamMetricsResponse\x12*\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1b.leap.common.v1.MetricEvent\"(\n\x16ListCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"J\n\x17ListCheckpointsResponse\x12/\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1a.leap.common.v1.Checkpoint*n\n\tObjective\x12\x19\n\x15OBJECTIVE_UNSPECIFIED\x10\x00\x12\x1a\n\x16OBJECTIVE_WEIGHTED_OPD\x10\x01\x12\x17\n\x13OBJECTIVE_CONSENSUS\x10\x02\x12\x11\n\rOBJECTIVE_CRD\x10\x03\x32\xe7\x04\n\x0e\x44istillService\x12O\n\x08StartRun\x12 .leap.distill.v1.StartRunRequest\x1a!.leap.distill.v1.StartRunResponse\x12I\n\x06GetRun\x12\x1e.leap.distill.v1.GetRunRequest\x1a\x1f.leap.distill.v1.GetRunResponse\x12O\n\x08ListRuns\x12 .leap.distill.v1.ListRunsRequest\x1a!.leap.distill.v1.ListRunsResponse\x12L\n\x07StopRun\x12\x1f.leap.distill.v1.StopRunRequest\x1a .leap.distill.v1.StopRunResponse\x12R\n\tResumeRun\x12!.leap.distill.v1.ResumeRunRequest\x1a\".leap.distill.v1.ResumeRunResponse\x12`\n\rStreamMetrics\x12%.leap.distill.v1.StreamMetricsRequest\x1a&.leap.distill.v1.StreamMetricsResponse0\x01\x12\x64\n\x0fListCheckpoints\x12\'.leap.distill.v1.ListCheckpointsRequest\x1a(.leap.distill.v1.ListCheckpointsResponseB_\n\x0fleap.distill.v1B\x0c\x44istillProtoP\x01Z*leapsuite/gen/go/leap/distill/v1;distillv1\xaa\x02\x0fLeap.Distill.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'leap.distill.v1.distill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\017leap.distill.v1B\014DistillProtoP\001Z*leapsuite/gen/go/leap/distill/v1;distillv1\252\002\017Leap.Distill.V1'
   _globals['_RUN_LATESTMETRICSENTRY']._loaded_options = None
   _globals['_RUN_LATESTMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_OBJECTIVE']._serialized_start=2283
-  _globals['_OBJECTIVE']._serialized_end=2393
+  _globals['_OBJECTIVE']._serialized_start=2302
+  _globals['_OBJECTIVE']._serialized_end=2412
   _globals['_TEACHERENDPOINT']._serialized_start=112
   _globals['_TEACHERENDPOINT']._serialized_end=175
   _globals['_DISTILLCONFIG']._serialized_start=178
-  _globals['_DISTILLCONFIG']._serialized_end=1008
-  _globals['_RUN']._serialized_start=1011
-  _globals['_RUN']._serialized_end=1428
-  _globals['_RUN_LATESTMETRICSENTRY']._serialized_start=1376
-  _globals['_RUN_LATESTMETRICSENTRY']._serialized_end=1428
-  _globals['_STARTRUNREQUEST']._serialized_start=1430
-  _globals['_STARTRUNREQUEST']._serialized_end=1515
-  _globals['_STARTRUNRESPONSE']._serialized_start=1517
-  _globals['_STARTRUNRESPONSE']._serialized_end=1570
-  _globals['_GETRUNREQUEST']._serialized_start=1572
-  _globals['_GETRUNREQUEST']._serialized_end=1603
-  _globals['_GETRUNRESPONSE']._serialized_start=1605
-  _globals['_GETRUNRESPONSE']._serialized_end=1656
-  _globals['_LISTRUNSREQUEST']._serialized_start=1658
-  _globals['_LISTRUNSREQUEST']._serialized_end=1755
-  _globals['_LISTRUNSRESPONSE']._serialized_start=1757
-  _globals['_LISTRUNSRESPONSE']._serialized_end=1836
-  _globals['_STOPRUNREQUEST']._serialized_start=1838
-  _globals['_STOPRUNREQUEST']._serialized_end=1870
-  _globals['_STOPRUNRESPONSE']._serialized_start=1872
-  _globals['_STOPRUNRESPONSE']._serialized_end=1924
-  _globals['_RESUMERUNREQUEST']._serialized_start=1926
-  _globals['_RESUMERUNREQUEST']._serialized_end=1960
-  _globals['_RESUMERUNRESPONSE']._serialized_start=1962
-  _globals['_RESUMERUNRESPONSE']._serialized_end=2016
-  _globals['_STREAMMETRICSREQUEST']._serialized_start=2018
-  _globals['_STREAMMETRICSREQUEST']._serialized_end=2094
-  _globals['_STREAMMETRICSRESPONSE']._serialized_start=2096
-  _globals['_STREAMMETRICSRESPONSE']._serialized_end=2163
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=2165
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=2205
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=2207
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2281
-  _globals['_DISTILLSERVICE']._serialized_start=2396
-  _globals['_DISTILLSERVICE']._serialized_end=3011
+  _globals['_DISTILLCONFIG']._serialized_end=1027
+  _globals['_RUN']._serialized_start=1030
+  _globals['_RUN']._serialized_end=1447
+  _globals['_RUN_LATESTMETRICSENTRY']._serialized_start=1395
+  _globals['_RUN_LATESTMETRICSENTRY']._serialized_end=1447
+  _globals['_STARTRUNREQUEST']._serialized_start=1449
+  _globals['_STARTRUNREQUEST']._serialized_end=1534
+  _globals['_STARTRUNRESPONSE']._serialized_start=1536
+  _globals['_STARTRUNRESPONSE']._serialized_end=1589
+  _globals['_GETRUNREQUEST']._serialized_start=1591
+  _globals['_GETRUNREQUEST']._serialized_end=1622
+  _globals['_GETRUNRESPONSE']._serialized_start=1624
+  _globals['_GETRUNRESPONSE']._serialized_end=1675
+  _globals['_LISTRUNSREQUEST']._serialized_start=1677
+  _globals['_LISTRUNSREQUEST']._serialized_end=1774
+  _globals['_LISTRUNSRESPONSE']._serialized_start=1776
+  _globals['_LISTRUNSRESPONSE']._serialized_end=1855
+  _globals['_STOPRUNREQUEST']._serialized_start=1857
+  _globals['_STOPRUNREQUEST']._serialized_end=1889
+  _globals['_STOPRUNRESPONSE']._serialized_start=1891
+  _globals['_STOPRUNRESPONSE']._serialized_end=1943
+  _globals['_RESUMERUNREQUEST']._serialized_start=1945
+  _globals['_RESUMERUNREQUEST']._serialized_end=1979
+  _globals['_RESUMERUNRESPONSE']._serialized_start=1981
+  _globals['_RESUMERUNRESPONSE']._serialized_end=2035
+  _globals['_STREAMMETRICSREQUEST']._serialized_start=2037
+  _globals['_STREAMMETRICSREQUEST']._serialized_end=2113
+  _globals['_STREAMMETRICSRESPONSE']._serialized_start=2115
+  _globals['_STREAMMETRICSRESPONSE']._serialized_end=2182
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=2184
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=2224
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=2226
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2300
+  _globals['_DISTILLSERVICE']._serialized_start=2415
+  _globals['_DISTILLSERVICE']._serialized_end=3030
 # @@protoc_insertion_point(module_scope)

@@ -938,6 +938,14 @@ class ListModelsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODELS_FIELD_NUMBER: _builtins.int
+    MAX_SAMPLES_PER_PROMPT_FIELD_NUMBER: _builtins.int
+    MAX_PROMPTS_FIELD_NUMBER: _builtins.int
+    max_samples_per_prompt: _builtins.int
+    """The service's largest SamplingParams.n (its max_samples_per_prompt setting), said even
+    when no model is loaded; 0 from a service that does not say.
+    """
+    max_prompts: _builtins.int
+    """Most prompts per Generate, items per Score (its max_prompts setting); 0 when unsaid."""
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInfo]:
         """Every loaded model, by name."""
@@ -946,10 +954,12 @@ class ListModelsResponse(_message.Message):
         self,
         *,
         models: _abc.Iterable[Global___ModelInfo] | None = ...,
+        max_samples_per_prompt: _builtins.int = ...,
+        max_prompts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_prompts", b"max_prompts", "max_samples_per_prompt", b"max_samples_per_prompt", "models", b"models"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -974,6 +984,8 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     ARCHITECTURE_FIELD_NUMBER: _builtins.int
+    MAX_SAMPLES_PER_PROMPT_FIELD_NUMBER: _builtins.int
+    MAX_PROMPTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name it is served under."""
     path: _builtins.str
@@ -1000,6 +1012,15 @@ class ModelInfo(_message.Message):
     """Whether the tokenizer has a chat template."""
     architecture: _builtins.str
     """Model architecture, for example "Qwen2ForCausalLM"."""
+    max_samples_per_prompt: _builtins.int
+    """Largest SamplingParams.n this service accepts for the model (its max_samples_per_prompt
+    setting), so a client can check a group size before it asks; 0 from a service that does
+    not say.
+    """
+    max_prompts: _builtins.int
+    """Most prompts in one Generate request, or items in one Score request (its max_prompts
+    setting); 0 from a service that does not say.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids."""
@@ -1020,10 +1041,12 @@ class ModelInfo(_message.Message):
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         has_chat_template: _builtins.bool = ...,
         architecture: _builtins.str = ...,
+        max_samples_per_prompt: _builtins.int = ...,
+        max_prompts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "max_context_tokens", b"max_context_tokens", "name", b"name", "num_parameters", b"num_parameters", "path", b"path", "tokenizer_fingerprint", b"tokenizer_fingerprint", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "max_context_tokens", b"max_context_tokens", "max_prompts", b"max_prompts", "max_samples_per_prompt", b"max_samples_per_prompt", "name", b"name", "num_parameters", b"num_parameters", "path", b"path", "tokenizer_fingerprint", b"tokenizer_fingerprint", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

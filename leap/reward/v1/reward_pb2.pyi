@@ -193,7 +193,10 @@ class GateGroup(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     ROLLOUTS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
-    """Task id. Required."""
+    """Task id. Required, at most the service's max_task_id_bytes (default 256) in UTF-8. A
+    task the history does not hold yet is refused RESOURCE_EXHAUSTED (ErrorInfo reason
+    HISTORY_FULL) once the history holds max_history_tasks tasks (default 50 000).
+    """
     @_builtins.property
     def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutResult]:
         """The G first-turn results. Required, at least two and at most the service's
@@ -299,9 +302,22 @@ class GateRequest(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     dry_run: _builtins.bool
     """Decide without recording the groups in the task history or in the service's stats.
     Decisions and histories in the response are what a real call would give now.
+    """
+    idempotency_key: _builtins.str
+    """Optional idempotency key of a recording call, at most 256 bytes (for example the
+    trainer's "trainer/<run id>/step-<n>/group-<i>"). A call with a key the service has
+    already recorded answers the stored response of that first call (`replayed` set) and
+    records nothing again, so a client that plays a step again after a crash, a kill or a
+    lost answer does not count its groups twice. The same key with another request (other
+    groups or config) is FAILED_PRECONDITION with ErrorInfo reason IDEMPOTENCY_KEY_REUSED:
+    nothing is recorded; send it as a dry run, or under a new key to count it. Keys are
+    stored with the history, in the same transaction, and kept for the service's
+    gate_key_ttl_seconds (default 7 days) up to max_gate_keys (default 100 000, the oldest
+    dropped first). Ignored on a dry run; empty records every call.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GateGroup]:
@@ -317,10 +333,11 @@ class GateRequest(_message.Message):
         groups: _abc.Iterable[Global___GateGroup] | None = ...,
         config: Global___GateConfig | None = ...,
         dry_run: _builtins.bool = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "dry_run", b"dry_run", "groups", b"groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "dry_run", b"dry_run", "groups", b"groups", "idempotency_key", b"idempotency_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -528,6 +545,11 @@ class GateResponse(_message.Message):
 
     DECISIONS_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    replayed: _builtins.bool
+    """True when this is the stored response of an earlier call with the same
+    idempotency_key: nothing was recorded by this call.
+    """
     @_builtins.property
     def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___GateDecision]:
         """One decision per group, in request order."""
@@ -541,10 +563,11 @@ class GateResponse(_message.Message):
         *,
         decisions: _abc.Iterable[Global___GateDecision] | None = ...,
         summary: Global___GateSummary | None = ...,
+        replayed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions", "replayed", b"replayed", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -653,7 +676,7 @@ class RankGroup(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     TRAJECTORIES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
-    """Task id."""
+    """Task id, echoed in the result; at most the service's max_task_id_bytes (default 256)."""
     @_builtins.property
     def trajectories(self) -> _containers.RepeatedCompositeFieldContainer[Global___Trajectory]:
         """The G trajectories. Required, at least two and at most the service's max_group_size."""

@@ -291,8 +291,12 @@ class Candidate(_message.Message):
     toolchain: _common_pb2.Toolchain.ValueType
     """Toolchain the code is written for. Required; the task must support it."""
     source: _builtins.str
-    """The model's response. The last fenced code block is extracted from it (the whole text
-    when it has no fence). Required, non-empty, at most the service's source size limit.
+    """The model's response: its code is the last fenced code block (```cpp ... ```; a block
+    cut off at the end of the text runs to the end). A response without a fenced block
+    stops at STAGE_FORMAT ("no code: answer with one fenced code block"), unless
+    EvaluateOptions.raw_source is set, which takes the whole text as the code: set it to
+    evaluate code that is not a model's response, such as a task's own Example.source.
+    Required, non-empty, at most the service's source size limit.
     """
     candidate_id: _builtins.str
     """Optional label chosen by the client, echoed in the verdict."""
@@ -360,7 +364,10 @@ class EvaluateOptions(_message.Message):
     device_index: _builtins.int
     """Device ordinal for the cuda toolchain. Default 0."""
     raw_source: _builtins.bool
-    """Treat `source` as code as is, with no fenced-block extraction."""
+    """Treat Candidate.source as the code as it is, with no fenced-block extraction (for code
+    that is not a model's response, such as Example.source). Default false: the last fenced
+    block of the response, STAGE_FORMAT when it has none.
+    """
     @_builtins.property
     def disabled_checks(self) -> _containers.RepeatedScalarFieldContainer[Global___Check.ValueType]:
         """Checks to switch off for this request."""
@@ -945,7 +952,9 @@ class Example(_message.Message):
     kind: Global___ExampleKind.ValueType
     """What kind of example it is."""
     source: _builtins.str
-    """The code."""
+    """The code, without a fence: evaluate it with EvaluateOptions.raw_source (or inside a
+    fenced block, as a model would answer).
+    """
     expected_stage: _common_pb2.Stage.ValueType
     """Stage at which its evaluation stops (STAGE_PASSED for solutions and slow ones)."""
     def __init__(
@@ -1257,8 +1266,20 @@ class ListDevicesResponse(_message.Message):
 
     DEVICES_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
+    CONFINEMENT_FIELD_NUMBER: _builtins.int
+    UNCONFINED_FIELD_NUMBER: _builtins.int
     unavailable_reason: _builtins.str
     """Why no device is listed (for example "NVML library not found"); empty otherwise."""
+    confinement: _builtins.str
+    """How candidates are confined on this sandbox, in words, for example "bubblewrap 0.11.0:
+    mount, pid, network, IPC and UTS namespaces, a read-only view; uids 61000-61003;
+    seccomp filter". Where `unconfined` is set it also names what is missing.
+    """
+    unconfined: _builtins.bool
+    """True when the operator started this sandbox with allow_unconfined and some layer of the
+    confinement could not be had: candidates may reach what that layer guards (a caller
+    that trains on untrusted models should refuse such a sandbox).
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]:
         """The devices; empty where none is present."""
@@ -1268,10 +1289,12 @@ class ListDevicesResponse(_message.Message):
         *,
         devices: _abc.Iterable[Global___Device] | None = ...,
         unavailable_reason: _builtins.str = ...,
+        confinement: _builtins.str = ...,
+        unconfined: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "unavailable_reason", b"unavailable_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confinement", b"confinement", "devices", b"devices", "unavailable_reason", b"unavailable_reason", "unconfined", b"unconfined"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

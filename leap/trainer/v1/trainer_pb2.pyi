@@ -260,6 +260,7 @@ class RunConfig(_message.Message):
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     EVAL_TURNS_FIELD_NUMBER: _builtins.int
     EVAL_TRAIN_TASKS_FIELD_NUMBER: _builtins.int
+    REPORT_TO_FIELD_NUMBER: _builtins.int
     FLAGGED_VERDICTS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Local Hugging Face model directory of the initial policy. Required."""
@@ -344,6 +345,18 @@ class RunConfig(_message.Message):
     def rgrpo(self) -> Global___RgrpoConfig:
         """RGRPO rounds; rounds = 0 is a plain run."""
 
+    @_builtins.property
+    def report_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Experiment trackers that also get the run's metrics (the "train" and "eval" values, as
+        "<kind>/<name>" at their step), its config and, when it ends, its plots and end state,
+        besides events.jsonl, TensorBoard and metrics.png: any of "mlflow", "wandb", "trackio".
+        Each is an optional extra of the service's installation (pip install
+        'leap-suite[mlflow]'); StartRun refuses one that is not installed. Empty: none. Local
+        without an account by default: MLflow's file store in the service's runs directory (or
+        MLFLOW_TRACKING_URI), W&B offline (online with WANDB_API_KEY or WANDB_MODE), trackio's
+        local store; see leap/learning/reporters.py.
+        """
+
     def __init__(
         self,
         *,
@@ -373,11 +386,12 @@ class RunConfig(_message.Message):
         display_name: _builtins.str = ...,
         eval_turns: _builtins.int = ...,
         eval_train_tasks: _builtins.bool = ...,
+        report_to: _abc.Iterable[_builtins.str] | None = ...,
         flagged_verdicts: Global___FlaggedVerdicts.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gate", b"gate", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "loss", b"loss", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "loss", b"loss", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
