@@ -70,7 +70,7 @@ class Settings:
     timing_unreliable_width: float = 0.25
     timing_verified_calls: int = 2
     timing_clock: str = "auto"
-    session_memory_bytes: int = 64 << 20
+    session_memory_bytes: int = 8 << 20
     suspicious_speedup: float = 10.0
     max_log_bytes: int = 8192
     precompiled_header: bool = True

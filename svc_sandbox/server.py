@@ -127,16 +127,18 @@ class SandboxConfig(ServerConfig):
     timing_unreliable_width: float = option(0.25, "An interval still wider than this (relative to the speedup) when the "
                                                   "budget is spent makes the verdict TIMING_UNRELIABLE.")
     timing_max_runs: int = option(20, "Most timed runs of each of candidate and reference (the budget in runs).")
-    timing_budget_seconds: float = option(0.3, "Time the timed runs of one candidate may take in all (the budget in "
-                                               "seconds; it can end them before timing_trials pairs).")
+    timing_budget_seconds: float = option(0.3, "Time the timed runs of one candidate may take beyond the request's "
+                                               "timing_trials pairs, which always run (the budget in seconds).")
     timing_verified_calls: int = option(2, "Calls of each timed run whose outputs are checked (chosen at random after "
                                            "the run), inputs and outputs.")
     timing_clock: str = option("auto", "What timed runs are measured by: cpu (the CPU time of each process, every "
                                        "thread of it: not inflated by waiting for a core on a busy machine), wall "
                                        "(the wall clock) or auto (cpu with one thread per candidate, else wall). "
                                        "GPU timings always use the wall clock.")
-    session_memory_bytes: int = option(64 << 20, "Address space for the buffers of one candidate's timed calls (and as "
-                                                 "much for the reference's), in bytes: bounds the calls in a timed run.")
+    session_memory_bytes: int = option(8 << 20, "Buffers of one timed run's calls (each call on inputs of its own), "
+                                                "for each of candidate and reference, in bytes: bounds the calls in a "
+                                                "run, and so what the service writes and checks for each (a run of a "
+                                                "larger call is one call).")
     pin_workers: bool = option(True, "Pin each worker (its zygote, candidates and reference processes, and the "
                                      "service thread that drives it) to cores of its own, when there are at least "
                                      "as many cores as workers, so sandboxes of this service never share a core.")

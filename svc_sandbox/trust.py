@@ -101,7 +101,7 @@ class Options:
     rtol: float
     run_seconds: float  # a timed run lasts about this long (calls_per_run)
     max_pairs: int
-    budget_seconds: float  # of the timed runs in all (it ends even the min_pairs early)
+    budget_seconds: float  # of the timed runs beyond min_pairs (which always run)
     interval_width: float  # the interval's relative width to reach (then no more pairs)
     unreliable_width: float  # wider than this at the end: TIMING_UNRELIABLE
     verify_per_run: int  # timed calls checked in each run
