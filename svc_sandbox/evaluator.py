@@ -63,14 +63,14 @@ class Settings:
     timing_trials: int = 10
     warmup_runs: int = 2
     timing_run_seconds: float = 1e-3
-    timing_cpu_run_seconds: float = 1e-3
+    timing_cpu_run_seconds: float = 2e-3
     timing_max_runs: int = 20
     timing_budget_seconds: float = 0.3
     timing_interval_width: float = 0.15
     timing_unreliable_width: float = 0.25
     timing_verified_calls: int = 2
     timing_clock: str = "auto"
-    session_memory_bytes: int = 8 << 20
+    session_memory_bytes: int = 64 << 20
     suspicious_speedup: float = 10.0
     max_log_bytes: int = 8192
     precompiled_header: bool = True

@@ -119,9 +119,9 @@ class SandboxConfig(ServerConfig):
     timing_run_seconds: float = option(1e-3, "A timed run is a batch of calls, each on inputs of its own, that lasts "
                                              "about this long (the fixed cost of starting and stopping a run, tens of "
                                              "microseconds, then hardly counts), in seconds.")
-    timing_cpu_run_seconds: float = option(1e-3, "The same, for runs measured by CPU time (timing_clock): its "
-                                                   "fixed cost per run is a few microseconds of CPU, so a run may be "
-                                                   "shorter, in seconds.")
+    timing_cpu_run_seconds: float = option(2e-3, "The same, for runs measured by CPU time (timing_clock), in seconds: "
+                                                 "a longer run averages over more calls on fresh inputs, which is "
+                                                 "what steadies a memory-bound kernel on a busy machine.")
     timing_interval_width: float = option(0.15, "Pairs of timed runs are added until the speedup's 95% interval is at "
                                                 "most this wide relative to the speedup, or the budget is spent.")
     timing_unreliable_width: float = option(0.25, "An interval still wider than this (relative to the speedup) when the "
@@ -135,7 +135,7 @@ class SandboxConfig(ServerConfig):
                                        "thread of it: not inflated by waiting for a core on a busy machine), wall "
                                        "(the wall clock) or auto (cpu with one thread per candidate, else wall). "
                                        "GPU timings always use the wall clock.")
-    session_memory_bytes: int = option(8 << 20, "Buffers of one timed run's calls (each call on inputs of its own), "
+    session_memory_bytes: int = option(64 << 20, "Buffers of one timed run's calls (each call on inputs of its own), "
                                                 "for each of candidate and reference, in bytes: bounds the calls in a "
                                                 "run, and so what the service writes and checks for each (a run of a "
                                                 "larger call is one call).")
