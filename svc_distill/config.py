@@ -15,7 +15,8 @@ from leap.common.v1 import common_pb2
 from leap.distill.v1 import distill_pb2
 from leap.learning import check_model_dir
 from leap.learning.run_config import (
-    fill_optimizer, fill_sampling, model_name_problem, optimizer_violations, report_to_violations,
+    fill_lora, fill_optimizer, fill_sampling, lora_violations, model_name_problem, optimizer_violations,
+    report_to_violations,
     sampling_violations,
 )
 from leap.runtime import Violations
@@ -50,6 +51,7 @@ def with_defaults(config: distill_pb2.DistillConfig, *, student_address: str,
     out.samples_per_example = out.samples_per_example or DEFAULT_SAMPLES_PER_EXAMPLE
     fill_sampling(out.sampling)
     fill_optimizer(out.optimizer)
+    fill_lora(out.lora)
     out.objective = out.objective or Objective.OBJECTIVE_CRD
     if not out.HasField("reliability_threshold"):
         out.reliability_threshold = DEFAULT_RELIABILITY_THRESHOLD
@@ -89,6 +91,7 @@ def violations(config: distill_pb2.DistillConfig, prefix: str = "config.") -> Vi
           f"must be at least 1 (0 means the default, {DEFAULT_SAMPLES_PER_EXAMPLE})")
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
+    lora_violations(config.lora, prefix + "lora.", v)
     report_to_violations(config.report_to, prefix + "report_to", v)
     check(config.objective in Objective.values(), "objective", f"unknown objective {config.objective}")
     if config.HasField("reliability_threshold"):

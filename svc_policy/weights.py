@@ -86,13 +86,44 @@ class WeightStaging:
         v.raise_if_any()
         tensors = {name: torch.from_numpy(buffer).view(self.specs[name].dtype).reshape(self.specs[name].shape)
                    for name, buffer in self.buffers.items()}
-        for name, tensor in tensors.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                bad = int((~torch.isfinite(tensor)).sum())
-                v.add(f"{self.first_field[name]}.data", f"tensor {name!r} holds {bad} NaN or infinite values of "
-                                                         f"{tensor.numel()}; nothing was applied")
-        v.raise_if_any()
+        check_finite(tensors, {name: f"{field}.data" for name, field in self.first_field.items()})
         return tensors
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], fields: Mapping[str, str]) -> None:
+    """INVALID_ARGUMENT naming `fields[name]` for every floating tensor holding a NaN or an
+    infinity (every transport's commit checks this before anything is applied)."""
+    v = Violations()
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            v.add(fields[name], f"tensor {name!r} holds {bad} NaN or infinite values of {tensor.numel()}; "
+                                f"nothing was applied")
+    v.raise_if_any()
+
+
+def check_table(entries, specs: Mapping[str, TensorSpec], v: Violations,
+                field: str = "tensors") -> list[TensorSpec]:
+    """Check a CommitWeights table (`TensorEntry`s) against the model's tensors: each name
+    once, known, with the model's dtype and shape. Adds every problem to `v` (fields like
+    `tensors[2].shape`); returns each entry's spec (None where unknown)."""
+    found: list[TensorSpec] = []
+    seen: set[str] = set()
+    v.check(len(entries) > 0, field, "the commit names no tensor")
+    for index, item in enumerate(entries):
+        where = f"{field}[{index}]"
+        spec = specs.get(item.name)
+        found.append(spec)  # type: ignore[arg-type]
+        if spec is None:
+            v.add(f"{where}.name", f"the model has no tensor {item.name!r}")
+            continue
+        v.check(item.name not in seen, f"{where}.name", f"{item.name!r} is listed twice")
+        seen.add(item.name)
+        v.check(PROTO_TO_TORCH.get(item.dtype) == spec.dtype, f"{where}.dtype",
+                f"{item.name!r} is {_dtype_name(spec.dtype)} in the model, the table says {_proto_dtype_name(item.dtype)}")
+        v.check(tuple(item.shape) == spec.shape, f"{where}.shape",
+                f"{item.name!r} has shape {list(spec.shape)} in the model, the table says {list(item.shape)}")
+    return found
 
 
 def load_checkpoint(path: str, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:

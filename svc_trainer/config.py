@@ -11,7 +11,8 @@ from __future__ import annotations
 from leap.common.v1 import common_pb2
 from leap.learning import check_model_dir
 from leap.learning.run_config import (
-    fill_optimizer, fill_sampling, finite, model_name_problem, optimizer_violations, report_to_violations,
+    fill_lora, fill_optimizer, fill_sampling, finite, lora_violations, model_name_problem, optimizer_violations,
+    report_to_violations,
     sampling_violations,
 )
 from leap.reward.v1 import reward_pb2
@@ -33,6 +34,7 @@ DEFAULT_EVAL_SAMPLES = 4
 DEFAULT_RGRPO_TAU = 0.5
 DEFAULT_RGRPO_ALPHA = 0.1
 DEFAULT_RGRPO_EVAL_SAMPLES = 8
+DEFAULT_IMPORTANCE_CAP = 2.0  # C of the truncated importance ratio of stale rollouts
 TRAIN_SPLIT = "train"
 HELDOUT_SPLIT = "heldout"
 
@@ -64,6 +66,7 @@ def with_defaults(config: trainer_pb2.RunConfig, services: trainer_pb2.ServiceAd
     out.max_turns = turns_of(out)
     fill_sampling(out.sampling)
     fill_optimizer(out.optimizer)
+    fill_lora(out.lora)
     if not out.loss.HasField("clip_low"):
         out.loss.clip_low = DEFAULT_CLIP_LOW
     if not out.loss.HasField("clip_high"):
@@ -77,6 +80,8 @@ def with_defaults(config: trainer_pb2.RunConfig, services: trainer_pb2.ServiceAd
     out.flagged_verdicts = out.flagged_verdicts or trainer_pb2.FlaggedVerdicts.FLAGGED_VERDICTS_NO_SPEED_CREDIT
     out.eval_samples = out.eval_samples or DEFAULT_EVAL_SAMPLES
     out.eval_turns = out.eval_turns or (DEFAULT_MAX_TURNS if out.mode == TrainMode.TRAIN_MODE_SINGLE else out.max_turns)
+    if out.max_staleness and not out.HasField("importance_cap"):
+        out.importance_cap = DEFAULT_IMPORTANCE_CAP
     if out.rgrpo.rounds:
         out.rgrpo.steps_per_round = out.rgrpo.steps_per_round or out.steps
         if not out.rgrpo.HasField("tau"):
@@ -115,6 +120,7 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
         check(config.max_turns <= 1, "max_turns", "single-turn mode has one turn; leave max_turns unset or 1")
     sampling_violations(config.sampling, prefix + "sampling.", v)
     optimizer_violations(config.optimizer, prefix + "optimizer.", v)
+    lora_violations(config.lora, prefix + "lora.", v)
     report_to_violations(config.report_to, prefix + "report_to", v)
     loss = config.loss
     if loss.HasField("clip_low"):
@@ -149,6 +155,11 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     if rounds.HasField("alpha"):
         check(0 <= rounds.alpha <= 1, "rgrpo.alpha", "is a sampling weight relative to uncovered tasks: must be in [0, 1]")
     check(rounds.eval_samples >= 0, "rgrpo.eval_samples", "must be at least 1 (0 means the default, 8)")
+    check(config.max_staleness >= 0, "max_staleness", "must not be negative (0 is the synchronous loop)")
+    check(not (config.max_staleness and rounds.rounds), "max_staleness",
+          "asynchronous rollouts are not supported with RGRPO rounds yet; leave it 0")
+    if config.HasField("importance_cap"):
+        check(config.importance_cap > 0, "importance_cap", "must be above 0 (the cap C of the importance ratio)")
     return v
 
 

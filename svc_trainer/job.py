@@ -22,8 +22,10 @@ fails with the cause after checkpointing its last completed step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
+import pickle
 import shutil
 import statistics
 import time
@@ -34,11 +36,12 @@ import grpc
 
 from leap.clients import connect
 from leap.clients.retry import Patience, ServiceUnavailable, refusal, with_retries
-from leap.clients.weights import push_weights
+from leap.clients.transports import WeightPusher
 from leap.evaluation import evaluate
 from leap.learning import checkpoint as ckpt
 from leap.learning import Learner, LearnerSettings, NonFiniteError, OptimizerSettings, with_values
 from leap.learning.data import draw_tasks
+from leap.learning.lora import LoraSettings
 from leap.learning.metrics import DEFAULT_PANELS, plot_metrics
 from leap.learning.registry import RunContext, RunFailure
 from leap.policy.v1 import policy_pb2
@@ -57,7 +60,9 @@ from svc_trainer.metrics import rollout_metrics, zero_spread_share
 TrainMode = trainer_pb2.TrainMode
 GateMode = reward_pb2.GateMode
 Decision = reward_pb2.Decision
-UNION_DIR = "union"  # the teacher union of an RGRPO run, inside its output directory
+UNION_DIR = "union"
+MERGED_DIR = "merged"  # a LoRA run's base + adapter, with lora.save_merged  # the teacher union of an RGRPO run, inside its output directory
+DEFAULT_IMPORTANCE_CAP = 2.0  # C of the truncated importance ratio (the TIS paper's)
 GENERATE_DEADLINE_SECONDS = 1800.0  # a big batch on a CPU is slow; a dead service is caught by health, not by this
 
 
@@ -69,6 +74,7 @@ class JobSettings:
     service_retry_seconds: float = 60.0
     keep_checkpoints: int = 3
     rollout_log: str = "text"  # "off", "text" (answers, verdicts, rewards) or "tokens" (and token ids)
+    weight_transport: str = "auto"  # leap.clients.transports: auto, shm, distributed or stream
     no_signal_warning_steps: int = 3  # warn after this many steps in a row where every group tied; 0: never
 
 
@@ -83,6 +89,26 @@ class Group:
     @property
     def expanded(self) -> bool:
         return self.decision is not None and self.decision.decision == Decision.DECISION_EXPAND
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One step's judged and ranked rollouts, waiting for the learner (asynchronous runs keep
+    up to max_staleness of them ahead, and checkpoints hold them)."""
+
+    step: int
+    groups: list[Group]
+    ranked: reward_pb2.RankResponse
+    values: dict[str, float]  # the rollout metrics of the step
+    cursor: int  # the task cursor after this step's draw
+    sampled_after: int  # learner updates done when the weights that sampled it were pushed
+
+    def staleness(self, updates: int) -> int:
+        """Learner updates between the weights that sampled it and a learner at `updates`."""
+        return updates - self.sampled_after
+
+
+PENDING_FILE = "pending.pkl"  # a checkpoint's batches generated ahead of the learner (asynchronous runs)
 
 
 class StaleRollouts(Exception):
@@ -222,6 +248,11 @@ class TrainingJob:
         self.settings = settings
         self.patience = Patience(seconds=settings.service_retry_seconds)
         self.version = 0  # weight version the policy serves for this run
+        self.pusher: WeightPusher | None = None
+        self.pushed: dict | None = None  # asynchronous runs: the weights the policy serves (to send again)
+        self.pushed_bytes = 0.0
+        self.served_lora = None  # the policy's adapter (ModelInfo.lora) when it serves one: push it alone
+        self.notes: list[str] = []  # said once in the run's log
 
     def __call__(self, ctx: RunContext) -> None:
         try:
@@ -239,10 +270,13 @@ class TrainingJob:
         steps = c.rgrpo.steps_per_round if c.rgrpo.rounds else c.steps  # one learner per RGRPO round
         return LearnerSettings(model_path=c.model_path, optimizer=optimizer,
                                total_updates=steps * optimizer.epochs_per_batch, temperature=c.sampling.temperature,
-                               reference=c.loss.kl_beta > 0, device=self.settings.device, seed=c.seed)
+                               reference=c.loss.kl_beta > 0, device=self.settings.device, seed=c.seed,
+                               lora=LoraSettings.from_proto(c.lora))
 
     async def main(self, ctx: RunContext) -> None:
         services = Services(self.config.services, self.patience)
+        self.pusher = WeightPusher(services.policy, self.config.policy_model, self.settings.weight_transport,
+                                   timeout=GENERATE_DEADLINE_SECONDS)
         try:
             tasks = await self.fetch_tasks(services, self.config.train_tasks)
             held_out = await self.fetch_tasks(services, self.config.eval_tasks)
@@ -251,6 +285,7 @@ class TrainingJob:
             else:
                 finished = await self.train_plain(ctx, services, tasks, held_out)
         finally:
+            await self.pusher.close()
             await services.close()
         if finished:
             self.plot(ctx)
@@ -267,10 +302,17 @@ class TrainingJob:
         with Learner(self.learner_settings()) as learner:
             at = ctx.latest_checkpoint()
             progress = Progress.from_state(learner.load_checkpoint(at.path)) if at else Progress()
-            session = await self.open_session(services, learner, tasks, held_out)
+            session = await self.open_session(services, learner, tasks, held_out, ctx)
             if progress.step == 0:
                 await self.evaluate(ctx, session, progress)
-            return await self.train_steps(ctx, session, progress, c.steps, draw)
+            if c.max_staleness:
+                finished = await self.train_steps_ahead(ctx, session, progress, c.steps, draw, at.path if at else None)
+            else:
+                finished = await self.train_steps(ctx, session, progress, c.steps, draw)
+            if finished and c.lora.save_merged:  # base + adapter, loadable with from_pretrained
+                learner.save_model(str(ctx.output_dir / MERGED_DIR))
+                ctx.emit("log", progress.step, {}, f"merged model written to {ctx.output_dir / MERGED_DIR}")
+            return finished
 
     async def train_rounds(self, ctx: RunContext, services: Services, tasks: list[sandbox_pb2.Task],
                            held_out: list[sandbox_pb2.Task]) -> bool:
@@ -291,7 +333,7 @@ class TrainingJob:
                 progress = dataclasses.replace(totals, step=(round_ - 1) * per_round)
                 if at and rgrpo.round_of(at.step, per_round) == round_:  # resume inside the round (or at its end)
                     progress = Progress.from_state(learner.load_checkpoint(at.path))
-                session = await self.open_session(services, learner, tasks, held_out)
+                session = await self.open_session(services, learner, tasks, held_out, ctx)
                 if progress.step == 0:
                     await self.evaluate(ctx, session, progress)
                 rows = union.quality[:round_ - 1] if union else ()
@@ -311,8 +353,12 @@ class TrainingJob:
         return True
 
     async def open_session(self, services: Services, learner: Learner, tasks: list[sandbox_pb2.Task],
-                           held_out: list[sandbox_pb2.Task]) -> Session:
+                           held_out: list[sandbox_pb2.Task], ctx: RunContext | None = None) -> Session:
         info = await self.serve_learner(services, learner)
+        if ctx is not None:
+            for note in self.notes:
+                ctx.emit("log", 0, {}, note)
+        self.notes.clear()
         return Session(services, learner, info, self.rollouts(services, learner, info), tasks, held_out)
 
     async def train_steps(self, ctx: RunContext, session: Session, progress: Progress, last: int, draw) -> bool:
@@ -351,6 +397,100 @@ class TrainingJob:
             raise
         return True
 
+    async def train_steps_ahead(self, ctx: RunContext, session: Session, progress: Progress, last: int, draw,
+                                checkpoint: Path | None) -> bool:
+        """The asynchronous loop (max_staleness = k >= 1): while the learner trains step s, the
+        rollouts of step s + k are generated and judged on the weights after update s - 1 (the
+        ones the policy serves), so a batch is sampled exactly min(k, s - 1) updates behind
+        the learner that trains it: a fixed lag, hence the same samples in every run with the
+        same seeds. A checkpoint after step s holds the batches s + 1 .. s + k already made,
+        so a resumed run trains exactly what an uninterrupted one would. False when a stop
+        request ended it before `last`."""
+        c = self.config
+        lag = c.max_staleness
+        by_id = {t.id: t for t in session.tasks}
+        pending: collections.deque[StepBatch] = collections.deque()
+        if checkpoint is not None and (checkpoint / PENDING_FILE).is_file():
+            pending.extend(pickle.loads((checkpoint / PENDING_FILE).read_bytes()))
+        saved = progress.step
+        cursor = pending[-1].cursor if pending else progress.cursor  # where the next draw starts
+        self.pushed = session.learner.push_state(self.served_lora)  # what open_session pushed
+        consistent = True  # False while a step's generation and learning are under way
+
+        async def generate(step: int) -> StepBatch:
+            nonlocal cursor
+            names, after = draw(step, dataclasses.replace(progress, cursor=cursor))
+            tasks = [by_id[n] for n in names]
+            for attempt in range(1, 4):
+                try:
+                    await self.keep_on_policy(ctx, step, session)
+                    groups, ranked, values = await self.rollout(ctx, step, tasks, session)
+                    break
+                except StaleRollouts as err:
+                    if attempt == 3:
+                        raise RunFailure(f"step {step}: {err}, 3 times") from None
+                    ctx.emit("log", step - 1, {}, f"the rollouts of step {step} played again: {err}")
+            cursor = after
+            return StepBatch(step, list(groups), ranked, values, after, progress.step)
+
+        try:
+            if progress.step and self.evaluation_due(progress.step, last) and not self.evaluated(ctx, progress.step):
+                await self.evaluate(ctx, session, progress)
+            while len(pending) < lag and progress.step + len(pending) < last:  # the first batches, before any learning
+                pending.append(await generate(progress.step + len(pending) + 1))
+            for step in range(progress.step + 1, last + 1):
+                started = time.perf_counter()
+                batch = pending.popleft()
+                assert batch.step == step, (batch.step, step)
+                staleness = batch.staleness(progress.step)
+                consistent = False
+                ahead = step + lag
+                learning = asyncio.create_task(asyncio.to_thread(self.learn_batch, batch, session.learner, staleness))
+                try:
+                    if ahead <= last:
+                        pending.append(await generate(ahead))
+                finally:
+                    learned = await asyncio.gather(learning, return_exceptions=True)  # never leave the learner running
+                if isinstance(learned[0], BaseException):
+                    raise learned[0]
+                values = {**batch.values, **learned[0]}
+                progress.step, progress.cursor = step, cursor
+                progress.evaluations += int(values["sandbox/evaluations"])
+                consistent = True  # the learner holds step s; the batches after it are made
+                values["time/sync_s"] = await self.push(session.services, session.learner)
+                values.update({"weight_version": float(self.version), "weights/bytes": self.pushed_bytes,
+                               "time/step_s": time.perf_counter() - started})
+                progress.train_seconds += values["time/step_s"]
+                values.update({"sandbox/evaluations_total": progress.evaluations,
+                               "time/train_total_s": progress.train_seconds})
+                ctx.emit("train", step, values)
+                self.watch_signal(ctx, step, values["reward/zero_spread_share"], progress)
+                if self.evaluation_due(step, last):
+                    await self.evaluate(ctx, session, progress)
+                if step % c.checkpoint_every == 0 or step == last or ctx.stop_requested():
+                    saved = self.save(ctx, session.learner, progress, pending)
+                if ctx.stop_requested() and step < last:
+                    return False
+        except BaseException:
+            # Only at a step's boundary is the state one a resumed run can continue exactly from.
+            if consistent and progress.step > saved:
+                self.save(ctx, session.learner, progress, pending)
+            raise
+        return True
+
+    def learn_batch(self, batch: StepBatch, learner: Learner, staleness: int) -> dict[str, float]:
+        """A batch's learner step (on a worker thread, beside the next generation), unless its
+        rollouts are older than the bound: then it is dropped and counted."""
+        if staleness > self.config.max_staleness:
+            dropped = float(sum(len(g.episodes) for g in batch.groups))
+            return {"async/staleness": float(staleness), "async/dropped_rollouts": dropped,
+                    "sequences/rolled_out": dropped, "sequences/trained": 0.0}
+        try:
+            values = self.learn(batch.groups, batch.ranked, learner, staleness)
+        except NonFiniteError as err:  # nothing of this update is pushed or checkpointed
+            raise RunFailure(err.sentence(batch.step, self.config.optimizer)) from None
+        return {**values, "async/staleness": float(staleness), "async/dropped_rollouts": 0.0}
+
     def watch_signal(self, ctx: RunContext, step: int, zero_spread: float, progress: Progress) -> None:
         """A `warning` event (and a log line) when every group of the last N steps tied: the
         run trains on nothing. The run goes on: the warning says so, it does not decide. The
@@ -385,9 +525,11 @@ class TrainingJob:
                 ctx.emit("log", step - 1, {}, f"step {step} played again: {err}")
         raise AssertionError("unreachable")
 
-    def save(self, ctx: RunContext, learner: Learner, progress: Progress) -> int:
+    def save(self, ctx: RunContext, learner: Learner, progress: Progress,
+             pending: Sequence[StepBatch] | None = None) -> int:
+        files = {PENDING_FILE: pickle.dumps(list(pending))} if pending is not None else None
         info = learner.save_checkpoint(ctx.checkpoint_dir, progress.step, cursor={"tasks": progress.cursor},
-                                       extra=progress.to_json(), keep_last=self.settings.keep_checkpoints)
+                                       extra=progress.to_json(), keep_last=self.settings.keep_checkpoints, files=files)
         ctx.checkpoint_saved(info)
         return progress.step
 
@@ -414,6 +556,11 @@ class TrainingJob:
             raise RunFailure(f"the policy serves {name!r} from {info.path!r}, whose tokenizer differs from the one of "
                              f"model_path {self.config.model_path!r}: the run would train on tokens it did not sample")
         self.version = info.version
+        self.served_lora = info.lora if info.lora.rank else None
+        if learner.settings.lora is not None and self.served_lora is None:
+            log_line = (f"the policy serves {name!r} without a LoRA adapter: every step sends the merged weights "
+                        f"(load it with the run's lora to send the adapter alone)")
+            self.notes.append(log_line)
         await self.push(services, learner)
         return info
 
@@ -426,7 +573,8 @@ class TrainingJob:
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 raise
-        request = policy_pb2.LoadModelRequest(name=name, path=self.config.model_path)
+        request = policy_pb2.LoadModelRequest(name=name, path=self.config.model_path,
+                                              lora=self.config.lora if self.config.lora.rank else None)
         return (await services.call("policy", "LoadModel", request)).model
 
     async def keep_on_policy(self, ctx: RunContext, step: int, session: Session) -> None:
@@ -438,16 +586,20 @@ class TrainingJob:
             ctx.emit("log", step - 1, {}, f"the policy serves {self.config.policy_model!r} version {info.version}, not "
                                           f"{self.version}: sending the learner's weights again")
             self.version = info.version
-            await self.push(session.services, session.learner)
+            await self.push(session.services, session.learner, self.pushed)
 
-    async def push(self, services: Services, learner: Learner) -> float:
-        """Send the learner's weights as the next version; returns the seconds it took."""
+    async def push(self, services: Services, learner: Learner, state: dict | None = None) -> float:
+        """Send the learner's weights (or `state`, weights pushed before) as the next version
+        by the best transport the policy takes; returns the seconds it took."""
         started = time.perf_counter()
-        state = learner.full_state_dict()
+        state = state if state is not None else learner.push_state(self.served_lora)
         self.version += 1
-        reply = await with_retries(lambda: push_weights(services.policy, self.config.policy_model, self.version, state),
-                                   "policy", services.addresses.policy, self.patience, "the weight update")
+        reply = await with_retries(lambda: self.pusher.push(self.version, state), "policy", services.addresses.policy,
+                                   self.patience, "the weight update")
         self.version = reply.version
+        self.pushed_bytes = float(reply.bytes)
+        if self.config.max_staleness:
+            self.pushed = state  # a policy that restarts mid-step is sent the weights its rollouts need
         return time.perf_counter() - started
 
     def rollouts(self, services: Services, learner: Learner, info: policy_pb2.ModelInfo) -> Rollouts:
@@ -461,7 +613,20 @@ class TrainingJob:
     # --- one step ---------------------------------------------------------------------------
 
     async def step(self, ctx: RunContext, step: int, tasks: list[sandbox_pb2.Task], session: Session) -> dict[str, float]:
-        services, learner, rollouts = session.services, session.learner, session.rollouts
+        groups, ranked, values = await self.rollout(ctx, step, tasks, session)
+        session.learning = True  # from here until the update lands, the learner holds no step's state
+        try:
+            values.update(self.learn(groups, ranked, session.learner))
+        except NonFiniteError as err:  # nothing of this update is pushed or checkpointed
+            raise RunFailure(err.sentence(step, self.config.optimizer)) from None
+        session.learning = False
+        return values
+
+    async def rollout(self, ctx: RunContext, step: int, tasks: list[sandbox_pb2.Task], session: Session
+                      ) -> tuple[list[Group], reward_pb2.RankResponse, dict[str, float]]:
+        """The step's groups played on the weights the policy serves (version self.version),
+        ranked and logged, with their metrics."""
+        services, rollouts = session.services, session.rollouts
         started = time.perf_counter()
         await self.keep_on_policy(ctx, step, session)
         rollouts.generate_clock.take()  # count this step's busy time only
@@ -487,13 +652,7 @@ class TrainingJob:
             "time/rollout_s": rollout_seconds,
             "tokens/generated": float(sum(len(t.completion_ids) for g in groups for e in g.episodes for t in e.turns)),
         })
-        session.learning = True  # from here until the update lands, the learner holds no step's state
-        try:
-            values.update(self.learn(groups, ranked, learner))
-        except NonFiniteError as err:  # nothing of this update is pushed or checkpointed
-            raise RunFailure(err.sentence(step, self.config.optimizer)) from None
-        session.learning = False
-        return values
+        return groups, ranked, values
 
     async def play_group(self, step: int, index: int, task: sandbox_pb2.Task, rollouts: Rollouts,
                          gate: GroupGate) -> Group:
@@ -534,8 +693,11 @@ class TrainingJob:
                 "advantage_abs_mean": statistics.fmean(abs(t.advantage) for r in ranked.results for t in r.trajectories)
                 if rewards else 0.0}
 
-    def learn(self, groups: Sequence[Group], ranked: reward_pb2.RankResponse, learner: Learner) -> dict[str, float]:
-        """Old logprobs recomputed by the learner, then the GRPO passes and the optimizer step."""
+    def learn(self, groups: Sequence[Group], ranked: reward_pb2.RankResponse, learner: Learner,
+              staleness: int = 0) -> dict[str, float]:
+        """Old logprobs recomputed by the learner, then the GRPO passes and the optimizer step.
+        Rollouts sampled `staleness` updates ago weigh each token by the truncated importance
+        ratio min(pi_old / pi_sampler, importance_cap) (svc_trainer.losses)."""
         started = time.perf_counter()
         built = [batching.training_sequence(episode, trajectory.turn_advantages)
                  for group, result in zip(groups, ranked.results)
@@ -551,12 +713,18 @@ class TrainingJob:
         columns = {"old_logprobs": old}
         if kl:
             columns["ref_logprobs"] = learner.logprobs(sequences, reference=True)
-        stats = learner.train_step(with_values(sequences, **columns), GrpoObjective(self.loss_config()),
-                                   normalizer=normalizer)
+        loss = self.loss_config()
+        if staleness > 0:  # off-policy: correct with the sampler's logprobs
+            columns["sampler_logprobs"] = [sampler for _, sampler in kept]
+            loss = dataclasses.replace(loss, importance_cap=self.importance_cap())
+        stats = learner.train_step(with_values(sequences, **columns), GrpoObjective(loss), normalizer=normalizer)
         values.update({k: v for k, v in stats.items() if k != "seconds"})
         values["tokens/trained"] = values.pop("tokens", 0.0)
         values["time/learn_s"] = time.perf_counter() - started
         return values
+
+    def importance_cap(self) -> float:
+        return self.config.importance_cap if self.config.HasField("importance_cap") else DEFAULT_IMPORTANCE_CAP
 
     def loss_config(self) -> GrpoLossConfig:
         loss = self.config.loss

@@ -8,7 +8,20 @@ Per token t of the model's own output, with advantage A:
     loss_t  = pg_t + kl_beta * kl_t
 
 averaged over the tokens the loss mask keeps (token-mean), or over sequences of each
-sequence's token mean (seq-mean-token-mean). The mask keeps only tokens the model generated:
+sequence's token mean (seq-mean-token-mean).
+
+Asynchronous rollouts (sampled by weights older than the learner's: `importance_cap` C > 0)
+add the truncated importance ratio of the sampler's logprobs, TIS (Yao et al., "Your
+efficient RL framework secretly brings you off-policy RL training"; AReaL's decoupled PPO):
+
+    w_t     = min(exp(logp_old_t - logp_sampler_t), C)                     (no gradient)
+    pg_t    = -w_t * min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
+
+`logp_old` is the learner's recomputation at the start of the step (the proximal policy the
+ratio is clipped around), `logp_sampler` what the policy service reported when it sampled.
+w_t corrects the expectation from the sampler's distribution to the learner's; the cap
+bounds its variance (C = 2 by default). With C = 0 (synchronous runs) w_t is not computed at
+all, so the loss is exactly the one above. The mask keeps only tokens the model generated:
 prompt and feedback tokens never carry a gradient.
 
 `normalizer` lets a learner accumulate gradients over micro-batches (and ranks) and still get
@@ -38,6 +51,7 @@ class GrpoLossConfig:
     clip_high: float = 0.28  # ratio clipped above at 1 + clip_high (DAPO's clip-higher)
     kl_beta: float = 0.0  # weight of the k3 KL to the reference; 0 keeps no reference
     aggregation: str = TOKEN_MEAN
+    importance_cap: float = 0.0  # C of the truncated importance ratio (stale rollouts); 0: off
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -46,6 +60,8 @@ class GrpoLossConfig:
             raise ValueError("clip_low must be in [0, 1) and clip_high at least 0")
         if self.kl_beta < 0:
             raise ValueError("kl_beta must be at least 0")
+        if self.importance_cap < 0:
+            raise ValueError("importance_cap must be at least 0 (0 turns the correction off)")
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -90,6 +106,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     normalizer: float | torch.Tensor | None = None,
+    sampler_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss and its statistics.
 
@@ -99,6 +116,7 @@ def grpo_loss(
     mask          [N, T]  1 on the model's own tokens, 0 on prompt, feedback and padding
     ref_logprobs  [N, T]  under the frozen reference; required when config.kl_beta > 0
     entropy       [N, T]  entropy of the policy at each position, only reported
+    sampler_logprobs [N, T]  the sampler's logprobs; required when config.importance_cap > 0
 
     Statistics are means over the kept tokens of this call (detached), plus `tokens`, so a
     learner can combine micro-batches weighted by their token counts
@@ -113,6 +131,13 @@ def grpo_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
     pg = torch.maximum(unclipped, clipped)
+    weight = None
+    if config.importance_cap > 0:
+        if sampler_logprobs is None:
+            raise ValueError("importance_cap > 0 needs sampler_logprobs")
+        raw = torch.exp(old_logprobs - sampler_logprobs.detach())
+        weight = torch.clamp(raw, max=config.importance_cap)
+        pg = weight * pg
     per_token = pg
     kl = None
     if config.kl_beta > 0:
@@ -149,6 +174,9 @@ def grpo_loss(
         }
         if kl is not None:
             stats["kl"] = mean(kl)
+        if weight is not None:
+            stats["importance_weight_mean"] = mean(weight)
+            stats["importance_capped_frac"] = mean(raw > config.importance_cap)
         if entropy is not None:
             stats["entropy"] = mean(entropy)
     return loss, stats
@@ -157,8 +185,8 @@ def grpo_loss(
 @dataclasses.dataclass(frozen=True)
 class GrpoObjective:
     """`grpo_loss` as a learner loss (`leap.learning.Learner.train_step`): reads the
-    micro-batch's `advantages` (per sequence or per token), `old_logprobs` and, when kl_beta
-    > 0, `ref_logprobs`. A dataclass, so it pickles to follower ranks."""
+    micro-batch's `advantages` (per sequence or per token), `old_logprobs`, when kl_beta
+    > 0 `ref_logprobs`, and when importance_cap > 0 `sampler_logprobs`. A dataclass, so it pickles to follower ranks."""
 
     config: GrpoLossConfig = GrpoLossConfig()
 
@@ -168,4 +196,5 @@ class GrpoObjective:
             logprobs, batch.values["old_logprobs"], batch.values["advantages"], batch.loss_mask, self.config,
             ref_logprobs=batch.values.get("ref_logprobs"), entropy=entropy,
             normalizer=normalizer.sequences if per_sequence else normalizer.tokens,
+            sampler_logprobs=batch.values.get("sampler_logprobs"),
         )

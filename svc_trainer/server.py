@@ -88,6 +88,7 @@ class TrainerServicer(RunApi, trainer_pb2_grpc.TrainerServiceServicer):
         return TrainingJob(self.config_of(record), JobSettings(device=s.device, service_retry_seconds=s.service_retry_seconds,
                                                                keep_checkpoints=s.keep_checkpoints,
                                                                rollout_log=s.rollout_log,
+                                                               weight_transport=s.weight_transport,
                                                                no_signal_warning_steps=s.no_signal_warning_steps))
 
 

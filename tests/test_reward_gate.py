@@ -4,16 +4,14 @@ evaluations saved are counted as documented, and the history file is written ato
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from svc_reward.gate import Decision, GateParams, Mode, Rollout, Rule, expected_value, gate
-from svc_reward.history import HistoryFile, HistoryFileError, TaskRecord, record
+from svc_reward.history import HistoryFileError, HistoryStore, TaskRecord, record
 from svc_reward.stages import Stage
 
 PASS = Rollout(Stage.PASSED, 1.0)
@@ -201,35 +199,8 @@ def test_history_is_an_exponential_moving_average_with_counts():
     assert (second.attempts, second.solves, second.groups, second.update_time) == (16, 10, 2, 2.0)
 
 
-def test_history_file_round_trips_and_leaves_no_temporary(tmp_path):
-    path = tmp_path / "deep" / "history.json"
-    records = {"b": TaskRecord("b", 0.5, 8, 4, 1, 3.5), "a": TaskRecord("a", 0.0, 16, 0, 2, 4.0)}
-    HistoryFile(path).save(records)
-    assert HistoryFile(path).load() == records
-    assert [task["task_id"] for task in json.loads(path.read_text())["tasks"]] == ["a", "b"]
-    assert os.listdir(path.parent) == ["history.json"]
-    assert HistoryFile(None).load() == {} and HistoryFile(tmp_path / "absent.json").load() == {}
-
-
-def test_a_write_interrupted_before_the_rename_keeps_the_previous_file(tmp_path, monkeypatch):
-    path = tmp_path / "history.json"
-    old = {"a": TaskRecord("a", 0.5, 8, 4, 1, 1.0)}
-    HistoryFile(path).save(old)
-
-    def crash(*args):  # fault injection: the process "dies" between writing and renaming
-        raise OSError("simulated crash before rename")
-
-    monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(HistoryFileError, match="simulated crash"):
-        HistoryFile(path).save({"a": TaskRecord("a", 1.0, 16, 12, 2, 2.0)})
-    monkeypatch.undo()
-    assert HistoryFile(path).load() == old
-    assert os.listdir(tmp_path) == ["history.json"]
-
-
-@pytest.mark.parametrize("content", ["{not json", '{"version": 99, "tasks": []}', '{"version": 1, "tasks": [{}]}'])
-def test_an_unreadable_history_file_is_a_clear_error(tmp_path, content):
-    path = tmp_path / "history.json"
-    path.write_text(content)
+def test_an_unreadable_history_database_is_a_clear_error(tmp_path):
+    path = tmp_path / "history.sqlite3"
+    path.write_bytes(b"this is not an SQLite database" * 100)
     with pytest.raises(HistoryFileError, match="cannot read the task history"):
-        HistoryFile(path).load()
+        HistoryStore(path)

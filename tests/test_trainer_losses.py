@@ -174,3 +174,29 @@ def test_approx_kl_old_is_the_k1_estimate():
     _, stats = grpo_loss(logprobs(), old(), ADVANTAGES, MASK)
     kept = [1.5, 1.0, 0.5, 0.5, 1.1]
     assert stats["approx_kl_old"].item() == pytest.approx(-sum(math.log(r) for r in kept) / 5)
+
+
+def test_the_truncated_importance_ratio_weighs_each_token_by_min_of_old_over_sampler_and_the_cap():
+    from svc_trainer.losses import GrpoLossConfig, grpo_loss
+
+    torch.manual_seed(0)
+    logprobs = torch.randn(2, 5, requires_grad=True)
+    old = logprobs.detach() + 0.1 * torch.randn(2, 5)
+    sampler = old - torch.tensor([[0.0, 0.5, 1.0, -0.3, 2.0], [0.1, 0.0, -1.0, 0.2, 0.0]])  # w = exp(old - sampler)
+    advantages = torch.tensor([1.0, -0.5])
+    mask = torch.ones(2, 5)
+    plain, _ = grpo_loss(logprobs, old, advantages, mask, GrpoLossConfig())
+    same, _ = grpo_loss(logprobs, old, advantages, mask, GrpoLossConfig(importance_cap=2.0), sampler_logprobs=old)
+    assert torch.equal(plain, same)  # a sampler that agrees with the learner weighs every token 1
+    capped, stats = grpo_loss(logprobs, old, advantages, mask, GrpoLossConfig(importance_cap=2.0),
+                              sampler_logprobs=sampler)
+    ratio = torch.exp(logprobs - old)
+    a = advantages[:, None].expand_as(ratio)
+    pg = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.28))
+    weight = torch.clamp(torch.exp(old - sampler), max=2.0)
+    torch.testing.assert_close(capped, (weight * pg).mean())
+    assert stats["importance_capped_frac"].item() == pytest.approx(2 / 10)  # exp(1) and exp(2) exceed 2
+    capped.backward()
+    assert logprobs.grad is not None
+    with pytest.raises(ValueError):
+        grpo_loss(logprobs, old, advantages, mask, GrpoLossConfig(importance_cap=2.0))

@@ -22,6 +22,17 @@ import grpc
 UNARY_DEADLINE_SECONDS = 60.0
 STREAM_DEADLINE_SECONDS = 24 * 3600.0  # streams (metrics, telemetry) are long by nature
 
+# The bearer token of channels opened without one (auth_token=None): `leap serve` sets it to
+# the service's own auth_token, so that with one suite-wide token (LEAP_AUTH_TOKEN) a trainer
+# or distiller reaches the services it calls with the token they all require.
+_process_auth_token: str | None = None
+
+
+def use_auth_token(token: str | None) -> None:
+    """Make `token` the bearer token of every channel this process opens without one."""
+    global _process_auth_token
+    _process_auth_token = token or None
+
 
 def service_config(max_attempts: int = 5) -> str:
     """gRPC service config: round_robin, and retries with backoff for UNAVAILABLE only
@@ -75,13 +86,10 @@ def _metadata(existing: Sequence[tuple[str, str]] | None, auth_token: str | None
     return [*items, ("authorization", f"Bearer {auth_token}")]
 
 
-class _AioDefaults(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the default deadline and the auth token to every call of an aio channel."""
+class _AioDefaults:
+    """Adds the default deadline and the auth token to every call of an aio channel. grpc.aio
+    files an interceptor under the first call kind it implements only, so each kind has a
+    class of its own (one class of all four would leave streaming calls without the token)."""
 
     def __init__(self, auth_token: str | None, unary_deadline: float, stream_deadline: float):
         self.auth_token = auth_token
@@ -97,15 +105,23 @@ class _AioDefaults(
             wait_for_ready=details.wait_for_ready,
         )
 
+
+class _AioUnaryUnary(_AioDefaults, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details, self.unary_deadline), request)
 
+
+class _AioUnaryStream(_AioDefaults, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details, self.stream_deadline), request)
 
+
+class _AioStreamUnary(_AioDefaults, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details, self.stream_deadline), request_iterator)
 
+
+class _AioStreamStream(_AioDefaults, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details, self.stream_deadline), request_iterator)
 
@@ -169,7 +185,9 @@ def aio_channel(
     max_attempts: int = 5,
 ) -> grpc.aio.Channel:
     """An asyncio channel with LEAP's defaults (see the module docstring)."""
-    interceptors = [_AioDefaults(auth_token, unary_deadline, stream_deadline)]
+    auth_token = _process_auth_token if auth_token is None else auth_token
+    interceptors = [kind(auth_token, unary_deadline, stream_deadline)
+                    for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
     options = channel_options(max_message_bytes, max_attempts)
     credentials = _credentials(tls_ca, tls_cert, tls_key)
     if credentials is None:
@@ -190,6 +208,7 @@ def sync_channel(
     max_attempts: int = 5,
 ) -> grpc.Channel:
     """A blocking channel with LEAP's defaults (see the module docstring)."""
+    auth_token = _process_auth_token if auth_token is None else auth_token
     options = channel_options(max_message_bytes, max_attempts)
     credentials = _credentials(tls_ca, tls_cert, tls_key)
     if credentials is None:

@@ -94,7 +94,8 @@ def learner_driver(service: str = "", log_level: str = "info") -> bool:
     group; rank 0 serves and drives, the others replay its learner's calls (FSDP) until it
     shuts down, logging JSON lines as rank 0 does. Returns whether this process is rank 0
     (True with a single process)."""
-    from leap.learning.distributed import current_world, follow
+    from leap.learning.distributed import current_world
+    from leap.learning.learner import follow
     from leap.runtime.logging import configure_logging, library_output_as_logs
 
     world = current_world()

@@ -68,10 +68,13 @@ class Check:
 class Suite:
     """The checks of one service's contract, in the order they run."""
 
-    def __init__(self, service: str, descriptor: ServiceDescriptor):
+    def __init__(self, service: str, descriptor: ServiceDescriptor, optional: tuple[str, ...] = ()):
         self.service = service
         self.descriptor = descriptor
         self.checks: list[Check] = []
+        # RPCs an implementation may leave out (UNIMPLEMENTED): additions to v1 whose callers
+        # fall back to an older RPC, such as the policy's weight transports beside the stream.
+        self.optional = frozenset(optional)
 
     @property
     def full_name(self) -> str:
@@ -231,7 +234,8 @@ def reflection_matches_contract(ctx: Context) -> str:
     for ours in ctx.suite.descriptor.methods:
         other = theirs.get(ours.name)
         if other is None:
-            problems.append(f"{ours.name} missing")
+            if ours.name not in ctx.suite.optional:
+                problems.append(f"{ours.name} missing")
         elif signature(other) != signature(ours):
             problems.append(f"{ours.name} is {signature(other)}, the contract says {signature(ours)}")
     if problems:
@@ -260,6 +264,8 @@ def rpc_answers(rpc: str) -> Callable[[Context], str]:
         try:
             ctx.call(rpc, request, limit=1, timeout=min(ctx.deadline, PROBE_SECONDS))
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED and rpc in ctx.suite.optional:
+                raise CheckSkipped(f"optional, not implemented: callers fall back ({describe(err)})") from None
             if err.code() in NOT_ANSWERED:
                 raise CheckFailed(describe(err)) from None
             if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

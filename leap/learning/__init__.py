@@ -6,7 +6,8 @@
   with loss masks and named per-token values (sequences.py);
 - `OptimizerSettings`, `Schedule`: the optimizer config with its defaults (optim.py);
 - `token_logprobs`, `load_model`, `load_tokenizer`, `check_model_dir`: models (model.py);
-- `World`, `current_world`, `follow`, `release_followers`: several processes (distributed.py);
+- `World`, `current_world`, `release_followers`: several processes (distributed.py), and
+  `follow`, the loop of a follower rank (learner.py);
 - checkpoints on disk: `CheckpointInfo`, `list_checkpoints`, `latest_checkpoint` (checkpoint.py);
 - `MetricsLog`, `plot_metrics`: JSONL, TensorBoard and PNG curves (metrics.py);
 - experiment trackers beside the metric log: MLflow, W&B, trackio (reporters.py);
@@ -19,8 +20,8 @@ This package never imports a service package (`svc_*`).
 """
 
 from leap.learning.checkpoint import CheckpointInfo, latest_checkpoint, list_checkpoints
-from leap.learning.distributed import World, current_world, follow, release_followers
-from leap.learning.learner import Learner, LearnerSettings, NonFiniteError, Normalizer
+from leap.learning.distributed import World, current_world, release_followers
+from leap.learning.learner import Learner, LearnerSettings, NonFiniteError, Normalizer, follow
 from leap.learning.model import check_model_dir, load_model, load_tokenizer, token_logprobs
 from leap.learning.optim import OptimizerSettings, Schedule
 from leap.learning.sequences import Batch, Sequence, collate, micro_batches, shard, with_values

@@ -7,6 +7,7 @@ Layout of `<checkpoints>/step-00000010/`:
     optimizer.pt      full (unsharded) optimizer state, keyed by parameter name
     scheduler.pt      learning-rate scheduler state
     rng/rank-R.pt     RNG states of rank R: python, numpy, torch CPU and CUDA
+    adapter.safetensors  a LoRA learner's adapter (PEFT names); model/ then holds it merged
     state.json        {"step", "updates", "cursor", "extra", "world_size", "format"}
     manifest.json     every file above with its size; written last
 

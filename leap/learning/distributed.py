@@ -11,6 +11,9 @@ CPU) and shards the model with FSDP2 (`torch.distributed.fsdp.fully_shard`). Ran
               learner.close()                      # broadcasts ("close",)
     rank > 0: follow()                             # builds the same Learner and replays calls
 
+(`follow` lives beside the learner in `leap.learning.learner`: this module knows nothing
+of what the ranks run, so the learner imports it and never the other way round.)
+
 Commands travel with `broadcast_object_list`, so their arguments (sequences, loss objects)
 must be picklable. With one process nothing is broadcast and nothing is initialized.
 """
@@ -20,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,25 +117,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return []
 
 
-def follow(factory: Callable[..., Any] | None = None) -> None:
-    """The loop of a follower rank: build each learner rank 0 creates, replay its calls, and
-    return when rank 0 sends "exit" (see `Learner.follow`)."""
-    world = current_world()
-    if world.is_driver:
-        raise RuntimeError("follow() runs on ranks other than 0")
-    if factory is None:
-        from leap.learning.learner import Learner as factory  # noqa: N813
-    while True:
-        message = world.broadcast(None)
-        if message[0] == "exit":
-            return
-        if message[0] != "create":
-            raise RuntimeError(f"follower expected a create or exit command, got {message[0]!r}")
-        learner = factory(message[1], world=world, follower=True)
-        learner.follow()
-
-
 def release_followers(world: World) -> None:
-    """Tell follower ranks to leave `follow()` (rank 0, at shutdown)."""
+    """Tell follower ranks to leave `leap.learning.learner.follow()` (rank 0, at shutdown)."""
     if world.distributed and world.is_driver:
         world.broadcast(("exit",))

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from leap.learning import checkpoint as ckpt
+from leap.learning import lora as lora_
 from leap.learning.distributed import World, current_world, shard_model
 from leap.learning.model import autocast, load_model, load_tokenizer, resolve_device, token_logprobs
 from leap.learning.optim import OptimizerSettings, build_optimizer
@@ -47,6 +48,7 @@ from leap.learning.sequences import Batch, Sequence, collate, micro_batches, sha
 from leap.learning.stats import combine_stats, mean_of_passes
 
 STRATEGIES = ("auto", "none", "fsdp")
+ADAPTER_FILE = "adapter.safetensors"  # a LoRA learner's checkpoint: the adapter, PEFT-named
 
 
 class NonFiniteError(ArithmeticError):
@@ -100,6 +102,7 @@ class LearnerSettings:
     gradient_checkpointing: bool = False
     track_entropy: bool = True  # measure the policy's entropy while training (no gradient)
     seed: int = 0
+    lora: lora_.LoraSettings | None = None  # train a LoRA adapter (PEFT) instead of every weight
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -146,6 +149,11 @@ class Learner:
         model = load_model(path, self.device, trainable=trainable,
                            gradient_checkpointing=trainable and self.settings.gradient_checkpointing)
         disable_dropout(model)
+        if trainable and self.settings.lora is not None:
+            if self.world.distributed:
+                raise ValueError("LoRA on several processes is not supported yet: train it on one (a LoRA run "
+                                 "needs far less memory)")
+            model = lora_.wrap(model, self.settings.lora)
         if self.world.distributed:
             if not self.sharded:
                 raise ValueError("several processes need strategy 'fsdp' (or 'auto')")
@@ -313,10 +321,19 @@ class Learner:
         (what a policy service's UpdateWeights takes). On rank 0; None elsewhere."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.settings.lora is not None:
+            return lora_.merged_state(self.model)  # the adapter merged into the base weights
         if not self.world.distributed:
             return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.world.is_driver else None
+
+    def push_state(self, served_lora=None) -> dict[str, torch.Tensor] | None:
+        """What to push to a policy whose ModelInfo.lora is `served_lora`: the adapter alone when
+        the policy serves an adapter of this learner's shape, else the full (merged) weights."""
+        if self.settings.lora is not None and served_lora is not None and self.settings.lora.matches(served_lora):
+            return lora_.adapter_state(self.model)
+        return self.full_state_dict()
 
     @collective
     def rank_fingerprints(self) -> list[str] | None:
@@ -345,22 +362,26 @@ class Learner:
         state = type(self).full_state_dict.__wrapped__(self)
         if self.world.is_driver:
             directory.mkdir(parents=True, exist_ok=True)
-            unwrapped = self.model
+            unwrapped = self.model.get_base_model() if self.settings.lora is not None else self.model
             unwrapped.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(str(directory))
 
     # --- checkpoints ------------------------------------------------------------------------
 
     def save_checkpoint(self, root: str | Path, step: int, cursor: Mapping[str, Any] | None = None,
-                        extra: Mapping[str, Any] | None = None, keep_last: int = 0) -> ckpt.CheckpointInfo | None:
+                        extra: Mapping[str, Any] | None = None, keep_last: int = 0,
+                        files: Mapping[str, bytes] | None = None) -> ckpt.CheckpointInfo | None:
         """Write a checkpoint of everything needed to continue exactly (see
         `leap.learning.checkpoint`); `cursor` is the caller's data position, `extra` any
-        JSON-able state. Returns its info on rank 0."""
+        JSON-able state, `files` more of the caller's state as named files (rank 0), sealed
+        with the rest. Returns its info on rank 0."""
         root = Path(root)
         temp = ckpt.new_temp_dir(root, step) if self.world.is_driver else None
         self._write_checkpoint(str(temp), step, dict(cursor or {}), dict(extra or {}))
         if not self.world.is_driver:
             return None
+        for name, data in (files or {}).items():
+            (temp / name).write_bytes(data)  # type: ignore[operator]
         info = ckpt.finalize(temp, step)  # type: ignore[arg-type]
         ckpt.clean_leftovers(root)
         ckpt.prune(root, keep_last, keep_steps=(step,))
@@ -377,6 +398,10 @@ class Learner:
                 self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
             optimizer_state = named_optimizer_state(self.model, self.optimizer)
+        if self.settings.lora is not None:  # the adapter itself, for an exact resume (model/ is merged)
+            from safetensors.torch import save_file
+
+            save_file(lora_.adapter_state(self.model), str(path / ADAPTER_FILE))
         (path / "rng").mkdir(parents=True, exist_ok=True)
         self.world.barrier()  # the directory exists for every rank
         torch.save(rng_state(), path / "rng" / f"rank-{self.world.rank:05d}.pt")
@@ -400,14 +425,20 @@ class Learner:
             raise ValueError(f"{path} is not a complete checkpoint")
         state = ckpt.read_state(path)
         driver = self.world.is_driver
-        model_state = load_model(path / "model", "cpu", trainable=False).state_dict() if driver else {}
+        if self.settings.lora is not None:  # the base is model_path's, frozen: the adapter is the state
+            from safetensors.torch import load_file
+
+            lora_.load_adapter_state(self.model, load_file(str(path / ADAPTER_FILE)))
+        lora = self.settings.lora is not None
+        model_state = load_model(path / "model", "cpu", trainable=False).state_dict() if driver and not lora else {}
         optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False) if driver else {}
         if self.world.distributed:
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             set_model_state_dict(self.model, model_state, options=options)
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
         else:
-            self.model.load_state_dict(model_state)
+            if not lora:
+                self.model.load_state_dict(model_state)
             load_named_optimizer_state(self.model, self.optimizer, optimizer_state)
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
         rng_file = path / "rng" / f"rank-{self.world.rank:05d}.pt"
@@ -417,6 +448,23 @@ class Learner:
             seed_everything(self.settings.seed + 7919 * int(state["step"]) + self.world.rank)
         self.updates = int(state["updates"])
         return state
+
+
+def follow(factory: Callable[..., Learner] | None = None) -> None:
+    """The loop of a follower rank: build each learner rank 0 creates, replay its calls, and
+    return when rank 0 sends "exit" (`leap.learning.distributed.release_followers`)."""
+    world = current_world()
+    if world.is_driver:
+        raise RuntimeError("follow() runs on ranks other than 0")
+    factory = factory or Learner
+    while True:
+        message = world.broadcast(None)
+        if message[0] == "exit":
+            return
+        if message[0] != "create":
+            raise RuntimeError(f"follower expected a create or exit command, got {message[0]!r}")
+        learner = factory(message[1], world=world, follower=True)
+        learner.follow()
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -115,8 +115,15 @@ class RunServiceConfig(ServerConfig):
     shutdown_wait_seconds: float = option(120.0, "On shutdown, how long running jobs get to finish their step and "
                                           "checkpoint (they resume at the next start).")
     tensorboard: bool = option(True, "Also write metrics as TensorBoard events (besides events.jsonl).")
+    weight_transport: str = option("auto", "How the learner's weights reach the policy service: auto (shared memory when "
+                                           "the policy is on this host, else a torch.distributed group when it offers "
+                                           "one, else the UpdateWeights stream), shm, distributed or stream.")
 
     def __post_init__(self) -> None:
+        from leap.clients.transports import CHOICES
+
+        if self.weight_transport not in CHOICES:
+            raise ValueError(f"weight_transport: must be one of {', '.join(CHOICES)}, not {self.weight_transport!r}")
         # Several processes (torchrun) train one learner in lockstep: one run at a time.
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.max_concurrent_runs != 1:
             raise ValueError("max_concurrent_runs: must be 1 when the learner spans several processes (WORLD_SIZE > 1)")

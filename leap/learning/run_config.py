@@ -1,6 +1,6 @@
 """Defaults and checks of the config messages every learner's run shares
-(`leap.common.v1.RolloutSampling` and `OptimizerConfig`, and the `report_to` trackers), so the
-trainer and the distiller fill and refuse them alike. Pure functions over the messages; field paths are given a prefix
+(`leap.common.v1.RolloutSampling`, `OptimizerConfig` and `LoraConfig`, and the `report_to`
+trackers), so the trainer and the distiller fill and refuse them alike. Pure functions over the messages; field paths are given a prefix
 such as "config.sampling.".
 """
 
@@ -78,3 +78,27 @@ def optimizer_violations(optimizer: common_pb2.OptimizerConfig, prefix: str, v: 
     v.check(optimizer.epochs_per_batch >= 0, prefix + "epochs_per_batch", "must be at least 1 (0 means the default, 1)")
     v.check(optimizer.micro_batch_tokens >= 0, prefix + "micro_batch_tokens",
             "must be at least 1 (0 means the default, 4096)")
+
+
+def fill_lora(lora: common_pb2.LoraConfig) -> None:
+    """Make the defaults of an adapter explicit (alpha 2 * rank, the decoder's linear layers);
+    rank 0 (no adapter) is left empty."""
+    from leap.learning.lora import DEFAULT_TARGETS
+
+    if not lora.rank:
+        return
+    if not lora.HasField("alpha"):
+        lora.alpha = 2.0 * lora.rank
+    if not lora.target_modules:
+        lora.target_modules.extend(DEFAULT_TARGETS)
+
+
+def lora_violations(lora: common_pb2.LoraConfig, prefix: str, v: Violations) -> None:
+    v.check(lora.rank >= 0, prefix + "rank", "must not be negative (0 trains every weight)")
+    if lora.HasField("alpha"):
+        v.check(lora.alpha > 0, prefix + "alpha", "must be above 0")
+    for index, name in enumerate(lora.target_modules):
+        v.check(bool(name.strip()), f"{prefix}target_modules[{index}]", "must not be empty")
+    if not lora.rank:
+        v.check(not lora.target_modules and not lora.save_merged and not lora.HasField("alpha"), prefix + "rank",
+                "is required (at least 1) for the other LoRA settings to mean anything")

@@ -59,6 +59,8 @@ class ServerConfig:
     tls_cert: str = option("", "PEM certificate file; with tls_key, serve TLS instead of plaintext.")
     tls_key: str = option("", "PEM private key file of tls_cert.")
     tls_client_ca: str = option("", "PEM CA file; when set, clients must present a certificate it signed (mTLS).")
+    allow_unauthenticated: bool = option(False, "Serve on an address beyond loopback (host 0.0.0.0, say) without "
+                                         "auth_token or tls_client_ca; without it such a server refuses to start.")
 
 
 COMMAND_LINE_SECRET = ("is not accepted on the command line: every user of the machine can read a command line "

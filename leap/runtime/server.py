@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from leap.runtime.config import DEFAULT_PORTS, ServerConfig, resolve_auth_token
+from leap.runtime.exposure import check_exposure
 from leap.runtime.interceptors import CallInterceptor
 from leap.runtime.logging import configure_logging, get_logger, library_output_as_logs
 
@@ -109,6 +110,7 @@ class Server:
         return f"{self.config.host}:{self.port}"
 
     async def start(self) -> None:
+        check_exposure(self.config)
         names = [r.service_name for r in self.service.registrations]
         for registration in self.service.registrations:
             registration.add_to_server(registration.servicer, self.grpc_server)
@@ -174,6 +176,10 @@ async def serve(service: Service, config: ServerConfig, *, handle_signals: bool 
 def run(spec: ServiceSpec, config: ServerConfig) -> None:
     """Blocking entry point of `leap serve`."""
     configure_logging(config.log_level, service=spec.name)
+    check_exposure(config)  # before building the service: refuse at once, not after loading models
+    from leap.clients.channel import use_auth_token
+
+    use_auth_token(resolve_auth_token(config))  # the services it calls require the suite's one token too
     # `kill -USR1 PID` prints every thread's stack to stderr: how to see where a service hangs.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     with library_output_as_logs():  # progress bars, library loggers and prints: JSON lines too

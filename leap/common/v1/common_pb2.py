@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bleap/common/v1/common.proto\x12\x0eleap.common.v1\x1a\x1fgoogle/protobuf/timestamp.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x85\x02\n\x0bMetricEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x37\n\x06values\x18\x05 \x03(\x0b\x32\'.leap.common.v1.MetricEvent.ValuesEntry\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\'\n\x05state\x18\x07 \x01(\x0e\x32\x18.leap.common.v1.RunState\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"m\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12/\n\x0b\x63reate_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\"q\n\x0fRolloutSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"\xe1\x01\n\x0fOptimizerConfig\x12\x1a\n\rlearning_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cwarmup_steps\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x1a\n\rmax_grad_norm\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x10\x65pochs_per_batch\x18\x06 \x01(\x05\x12\x1a\n\x12micro_batch_tokens\x18\x07 \x01(\x05\x42\x10\n\x0e_learning_rateB\x10\n\x0e_max_grad_norm*w\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTAGE_FORMAT\x10\x01\x12\x11\n\rSTAGE_COMPILE\x10\x02\x12\r\n\tSTAGE_RUN\x10\x03\x12\x11\n\rSTAGE_CORRECT\x10\x04\x12\x10\n\x0cSTAGE_PASSED\x10\x05*h\n\tToolchain\x12\x19\n\x15TOOLCHAIN_UNSPECIFIED\x10\x00\x12\x11\n\rTOOLCHAIN_CPU\x10\x01\x12\x12\n\x0eTOOLCHAIN_CUDA\x10\x02\x12\x19\n\x15TOOLCHAIN_KERNELBENCH\x10\x03*\xda\x01\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x12\x12\n\x0e\x44_TYPE_FLOAT64\x10\x04\x12\x0f\n\x0b\x44_TYPE_INT8\x10\x05\x12\x10\n\x0c\x44_TYPE_UINT8\x10\x06\x12\x10\n\x0c\x44_TYPE_INT16\x10\x07\x12\x10\n\x0c\x44_TYPE_INT32\x10\x08\x12\x10\n\x0c\x44_TYPE_INT64\x10\t\x12\x0f\n\x0b\x44_TYPE_BOOL\x10\n*\xb1\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x15\n\x11RUN_STATE_STOPPED\x10\x04\x12\x17\n\x13RUN_STATE_SUCCEEDED\x10\x05\x12\x14\n\x10RUN_STATE_FAILED\x10\x06\x42Z\n\x0eleap.common.v1B\x0b\x43ommonProtoP\x01Z(leapsuite/gen/go/leap/common/v1;commonv1\xaa\x02\x0eLeap.Common.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bleap/common/v1/common.proto\x12\x0eleap.common.v1\x1a\x1fgoogle/protobuf/timestamp.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x85\x02\n\x0bMetricEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x37\n\x06values\x18\x05 \x03(\x0b\x32\'.leap.common.v1.MetricEvent.ValuesEntry\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\'\n\x05state\x18\x07 \x01(\x0e\x32\x18.leap.common.v1.RunState\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"m\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12/\n\x0b\x63reate_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\"q\n\x0fRolloutSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"e\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x13\n\x0bsave_merged\x18\x04 \x01(\x08\x42\x08\n\x06_alpha\"\xe1\x01\n\x0fOptimizerConfig\x12\x1a\n\rlearning_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cwarmup_steps\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x1a\n\rmax_grad_norm\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x10\x65pochs_per_batch\x18\x06 \x01(\x05\x12\x1a\n\x12micro_batch_tokens\x18\x07 \x01(\x05\x42\x10\n\x0e_learning_rateB\x10\n\x0e_max_grad_norm*w\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTAGE_FORMAT\x10\x01\x12\x11\n\rSTAGE_COMPILE\x10\x02\x12\r\n\tSTAGE_RUN\x10\x03\x12\x11\n\rSTAGE_CORRECT\x10\x04\x12\x10\n\x0cSTAGE_PASSED\x10\x05*h\n\tToolchain\x12\x19\n\x15TOOLCHAIN_UNSPECIFIED\x10\x00\x12\x11\n\rTOOLCHAIN_CPU\x10\x01\x12\x12\n\x0eTOOLCHAIN_CUDA\x10\x02\x12\x19\n\x15TOOLCHAIN_KERNELBENCH\x10\x03*\xda\x01\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x12\x12\n\x0e\x44_TYPE_FLOAT64\x10\x04\x12\x0f\n\x0b\x44_TYPE_INT8\x10\x05\x12\x10\n\x0c\x44_TYPE_UINT8\x10\x06\x12\x10\n\x0c\x44_TYPE_INT16\x10\x07\x12\x10\n\x0c\x44_TYPE_INT32\x10\x08\x12\x10\n\x0c\x44_TYPE_INT64\x10\t\x12\x0f\n\x0b\x44_TYPE_BOOL\x10\n*\xb1\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x15\n\x11RUN_STATE_STOPPED\x10\x04\x12\x17\n\x13RUN_STATE_SUCCEEDED\x10\x05\x12\x14\n\x10RUN_STATE_FAILED\x10\x06\x42Z\n\x0eleap.common.v1B\x0b\x43ommonProtoP\x01Z(leapsuite/gen/go/leap/common/v1;commonv1\xaa\x02\x0eLeap.Common.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\016leap.common.v1B\013CommonProtoP\001Z(leapsuite/gen/go/leap/common/v1;commonv1\252\002\016Leap.Common.V1'
   _globals['_METRICEVENT_VALUESENTRY']._loaded_options = None
   _globals['_METRICEVENT_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_STAGE']._serialized_start=844
-  _globals['_STAGE']._serialized_end=963
-  _globals['_TOOLCHAIN']._serialized_start=965
-  _globals['_TOOLCHAIN']._serialized_end=1069
-  _globals['_DTYPE']._serialized_start=1072
-  _globals['_DTYPE']._serialized_end=1290
-  _globals['_RUNSTATE']._serialized_start=1293
-  _globals['_RUNSTATE']._serialized_end=1470
+  _globals['_STAGE']._serialized_start=947
+  _globals['_STAGE']._serialized_end=1066
+  _globals['_TOOLCHAIN']._serialized_start=1068
+  _globals['_TOOLCHAIN']._serialized_end=1172
+  _globals['_DTYPE']._serialized_start=1175
+  _globals['_DTYPE']._serialized_end=1393
+  _globals['_RUNSTATE']._serialized_start=1396
+  _globals['_RUNSTATE']._serialized_end=1573
   _globals['_CHATMESSAGE']._serialized_start=80
   _globals['_CHATMESSAGE']._serialized_end=124
   _globals['_METRICEVENT']._serialized_start=127
@@ -53,6 +53,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINT']._serialized_end=499
   _globals['_ROLLOUTSAMPLING']._serialized_start=501
   _globals['_ROLLOUTSAMPLING']._serialized_end=614
-  _globals['_OPTIMIZERCONFIG']._serialized_start=617
-  _globals['_OPTIMIZERCONFIG']._serialized_end=842
+  _globals['_LORACONFIG']._serialized_start=616
+  _globals['_LORACONFIG']._serialized_end=717
+  _globals['_OPTIMIZERCONFIG']._serialized_start=720
+  _globals['_OPTIMIZERCONFIG']._serialized_end=945
 # @@protoc_insertion_point(module_scope)

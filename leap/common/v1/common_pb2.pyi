@@ -363,6 +363,52 @@ class RolloutSampling(_message.Message):
 Global___RolloutSampling: _TypeAlias = RolloutSampling  # noqa: Y015
 
 @_typing.final
+class LoraConfig(_message.Message):
+    """LoRA (low-rank adapters, trained with PEFT) in place of full-weight training: only the
+    adapters train, and a weight push carries only them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    SAVE_MERGED_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """Rank r of every adapter; 0 means no LoRA (full weights)."""
+    alpha: _builtins.float
+    """Scaling alpha: an adapted layer computes W x + (alpha / rank) B A x. Default 2 * rank
+    when unset.
+    """
+    save_merged: _builtins.bool
+    """Also write the base model with the adapter merged in, as a Hugging Face model directory
+    (`merged/` in the run's directory) when the run ends.
+    """
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Modules to adapt, as PEFT's target_modules (name suffixes). Default: every linear layer
+        of the decoder blocks (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).
+        """
+
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float | None = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+        save_merged: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_alpha", b"_alpha", "alpha", b"alpha"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_alpha", b"_alpha", "alpha", b"alpha", "rank", b"rank", "save_merged", b"save_merged", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__alpha: _TypeAlias = _typing.Literal["alpha"]  # noqa: Y015
+    _WhichOneofArgType__alpha: _TypeAlias = _typing.Literal["_alpha", b"_alpha"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__alpha) -> _WhichOneofReturnType__alpha | None: ...
+
+Global___LoraConfig: _TypeAlias = LoraConfig  # noqa: Y015
+
+@_typing.final
 class OptimizerConfig(_message.Message):
     """A learner's optimizer and learning-rate schedule."""
 

@@ -111,6 +111,7 @@ class DistillConfig(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     OUTPUT_DIR_FIELD_NUMBER: _builtins.int
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     REPORT_TO_FIELD_NUMBER: _builtins.int
     student_model_path: _builtins.str
     """Local Hugging Face model directory of the student's initial weights. Required."""
@@ -179,6 +180,12 @@ class DistillConfig(_message.Message):
         """Held-out tasks; empty means the sandbox's "heldout" split."""
 
     @_builtins.property
+    def lora(self) -> _common_pb2.LoraConfig:
+        """Train LoRA adapters (PEFT) on the student instead of every weight, and push only them.
+        Default: off.
+        """
+
+    @_builtins.property
     def report_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Experiment trackers that also get the run's metrics (the "train" and "eval" values, as
         "<kind>/<name>" at their step), its config and, when it ends, its plots and end state,
@@ -219,11 +226,12 @@ class DistillConfig(_message.Message):
         seed: _builtins.int = ...,
         output_dir: _builtins.str = ...,
         display_name: _builtins.str = ...,
+        lora: _common_pb2.LoraConfig | None = ...,
         report_to: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_crd_lambda", b"_crd_lambda", "_reliability_threshold", b"_reliability_threshold", "crd_lambda", b"crd_lambda", "optimizer", b"optimizer", "reliability_threshold", b"reliability_threshold", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_crd_lambda", b"_crd_lambda", "_reliability_threshold", b"_reliability_threshold", "crd_lambda", b"crd_lambda", "lora", b"lora", "optimizer", b"optimizer", "reliability_threshold", b"reliability_threshold", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_crd_lambda", b"_crd_lambda", "_reliability_threshold", b"_reliability_threshold", "checkpoint_every", b"checkpoint_every", "crd_lambda", b"crd_lambda", "disable_quality_weighting", b"disable_quality_weighting", "disable_reliability_gating", b"disable_reliability_gating", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "examples_per_step", b"examples_per_step", "objective", b"objective", "optimizer", b"optimizer", "output_dir", b"output_dir", "reliability_threshold", b"reliability_threshold", "report_to", b"report_to", "samples_per_example", b"samples_per_example", "sampling", b"sampling", "sandbox_address", b"sandbox_address", "seed", b"seed", "single_best_teacher", b"single_best_teacher", "steps", b"steps", "student_address", b"student_address", "student_model", b"student_model", "student_model_path", b"student_model_path", "teacher_union_path", b"teacher_union_path", "teachers", b"teachers", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_crd_lambda", b"_crd_lambda", "_reliability_threshold", b"_reliability_threshold", "checkpoint_every", b"checkpoint_every", "crd_lambda", b"crd_lambda", "disable_quality_weighting", b"disable_quality_weighting", "disable_reliability_gating", b"disable_reliability_gating", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "examples_per_step", b"examples_per_step", "lora", b"lora", "objective", b"objective", "optimizer", b"optimizer", "output_dir", b"output_dir", "reliability_threshold", b"reliability_threshold", "report_to", b"report_to", "samples_per_example", b"samples_per_example", "sampling", b"sampling", "sandbox_address", b"sandbox_address", "seed", b"seed", "single_best_teacher", b"single_best_teacher", "steps", b"steps", "student_address", b"student_address", "student_model", b"student_model", "student_model_path", b"student_model_path", "teacher_union_path", b"teacher_union_path", "teachers", b"teachers", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__crd_lambda: _TypeAlias = _typing.Literal["crd_lambda"]  # noqa: Y015
     _WhichOneofArgType__crd_lambda: _TypeAlias = _typing.Literal["_crd_lambda", b"_crd_lambda"]  # noqa: Y015

@@ -74,6 +74,70 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """Generation was cancelled (the client went away or the server is shutting down)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _WeightTransport:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightTransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightTransport.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHT_TRANSPORT_UNSPECIFIED: _WeightTransport.ValueType  # 0
+    """Not set."""
+    WEIGHT_TRANSPORT_GRPC_STREAM: _WeightTransport.ValueType  # 1
+    """UpdateWeights: a client stream of checksummed chunks. Every service accepts it."""
+    WEIGHT_TRANSPORT_SHARED_MEMORY: _WeightTransport.ValueType  # 2
+    """A POSIX shared-memory object on the service's host, written by the caller (same host
+    only), named in CommitWeights.
+    """
+    WEIGHT_TRANSPORT_CUDA_IPC: _WeightTransport.ValueType  # 3
+    """CUDA IPC handles of the caller's GPU tensors (same host, GPU models only)."""
+    WEIGHT_TRANSPORT_TORCH_DISTRIBUTED: _WeightTransport.ValueType  # 4
+    """Point-to-point sends over a torch.distributed group (gloo on CPU, NCCL on GPU) opened
+    with OpenWeightGroup; works across hosts.
+    """
+
+class WeightTransport(_WeightTransport, metaclass=_WeightTransportEnumTypeWrapper):
+    """A way for weights to reach the service."""
+
+WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport.ValueType  # 0
+"""Not set."""
+WEIGHT_TRANSPORT_GRPC_STREAM: WeightTransport.ValueType  # 1
+"""UpdateWeights: a client stream of checksummed chunks. Every service accepts it."""
+WEIGHT_TRANSPORT_SHARED_MEMORY: WeightTransport.ValueType  # 2
+"""A POSIX shared-memory object on the service's host, written by the caller (same host
+only), named in CommitWeights.
+"""
+WEIGHT_TRANSPORT_CUDA_IPC: WeightTransport.ValueType  # 3
+"""CUDA IPC handles of the caller's GPU tensors (same host, GPU models only)."""
+WEIGHT_TRANSPORT_TORCH_DISTRIBUTED: WeightTransport.ValueType  # 4
+"""Point-to-point sends over a torch.distributed group (gloo on CPU, NCCL on GPU) opened
+with OpenWeightGroup; works across hosts.
+"""
+Global___WeightTransport: _TypeAlias = WeightTransport  # noqa: Y015
+
+class _CommitPhase:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CommitPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CommitPhase.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COMMIT_PHASE_UNSPECIFIED: _CommitPhase.ValueType  # 0
+    """Not set."""
+    COMMIT_PHASE_READY: _CommitPhase.ValueType  # 1
+    """torch.distributed only: the table is checked and the service is receiving; send now."""
+    COMMIT_PHASE_COMMITTED: _CommitPhase.ValueType  # 2
+    """The new version serves (the last message)."""
+
+class CommitPhase(_CommitPhase, metaclass=_CommitPhaseEnumTypeWrapper):
+    """Where a CommitWeights call stands."""
+
+COMMIT_PHASE_UNSPECIFIED: CommitPhase.ValueType  # 0
+"""Not set."""
+COMMIT_PHASE_READY: CommitPhase.ValueType  # 1
+"""torch.distributed only: the table is checked and the service is receiving; send now."""
+COMMIT_PHASE_COMMITTED: CommitPhase.ValueType  # 2
+"""The new version serves (the last message)."""
+Global___CommitPhase: _TypeAlias = CommitPhase  # noqa: Y015
+
 @_typing.final
 class TokenIds(_message.Message):
     """A list of token ids."""
@@ -708,6 +772,369 @@ class UpdateWeightsResponse(_message.Message):
 Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
 
 @_typing.final
+class GetWeightTransportsRequest(_message.Message):
+    """Request of GetWeightTransports."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Name of a loaded model. Required."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWeightTransportsRequest: _TypeAlias = GetWeightTransportsRequest  # noqa: Y015
+
+@_typing.final
+class GetWeightTransportsResponse(_message.Message):
+    """Response of GetWeightTransports."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSPORTS_FIELD_NUMBER: _builtins.int
+    HOST_PROBE_PATH_FIELD_NUMBER: _builtins.int
+    HOST_PROBE_NONCE_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_DIR_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_MAX_BYTES_FIELD_NUMBER: _builtins.int
+    GROUP_BACKENDS_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    host_probe_path: _builtins.str
+    """A file the service created in its shared-memory directory; a caller that can read it and
+    finds `host_probe_nonce` there shares the service's host and shared memory, the condition
+    of WEIGHT_TRANSPORT_SHARED_MEMORY and WEIGHT_TRANSPORT_CUDA_IPC.
+    """
+    host_probe_nonce: _builtins.bytes
+    """The random bytes `host_probe_path` holds."""
+    shared_memory_dir: _builtins.str
+    """Directory the shared-memory objects live in (their names in CommitWeights are relative
+    to it), for example "/dev/shm".
+    """
+    shared_memory_max_bytes: _builtins.int
+    """Largest shared-memory object the service accepts, in bytes."""
+    device: _builtins.str
+    """The model's device, for example "cpu" or "cuda:0"."""
+    @_builtins.property
+    def transports(self) -> _containers.RepeatedScalarFieldContainer[Global___WeightTransport.ValueType]:
+        """Every transport the service accepts for the model; always includes the stream."""
+
+    @_builtins.property
+    def group_backends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """torch.distributed backends OpenWeightGroup accepts for the model ("gloo", "nccl")."""
+
+    def __init__(
+        self,
+        *,
+        transports: _abc.Iterable[Global___WeightTransport.ValueType] | None = ...,
+        host_probe_path: _builtins.str = ...,
+        host_probe_nonce: _builtins.bytes = ...,
+        shared_memory_dir: _builtins.str = ...,
+        shared_memory_max_bytes: _builtins.int = ...,
+        group_backends: _abc.Iterable[_builtins.str] | None = ...,
+        device: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "group_backends", b"group_backends", "host_probe_nonce", b"host_probe_nonce", "host_probe_path", b"host_probe_path", "shared_memory_dir", b"shared_memory_dir", "shared_memory_max_bytes", b"shared_memory_max_bytes", "transports", b"transports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWeightTransportsResponse: _TypeAlias = GetWeightTransportsResponse  # noqa: Y015
+
+@_typing.final
+class OpenWeightGroupRequest(_message.Message):
+    """Request of OpenWeightGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Name of a loaded model the group will carry weights to. Required."""
+    backend: _builtins.str
+    """torch.distributed backend: "gloo" or "nccl". Default: nccl for a GPU model, else gloo."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        backend: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenWeightGroupRequest: _TypeAlias = OpenWeightGroupRequest  # noqa: Y015
+
+@_typing.final
+class OpenWeightGroupResponse(_message.Message):
+    """Response of OpenWeightGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    STORE_HOST_FIELD_NUMBER: _builtins.int
+    STORE_PORT_FIELD_NUMBER: _builtins.int
+    STORE_PREFIX_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    CLIENT_RANK_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """Id to name the group by in CommitWeights."""
+    store_host: _builtins.str
+    """Host of the TCP store the caller joins."""
+    store_port: _builtins.int
+    """Port of the TCP store."""
+    store_prefix: _builtins.str
+    """Key prefix of the group in the store (the caller passes it to a PrefixStore), so that
+    only a caller of this RPC rendezvous with the service.
+    """
+    world_size: _builtins.int
+    """Ranks in the group: 2."""
+    client_rank: _builtins.int
+    """The caller's rank: 0 (the service is rank 1)."""
+    backend: _builtins.str
+    """The backend of the group."""
+    timeout_seconds: _builtins.float
+    """Seconds a send or receive may wait before the group is given up."""
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        store_host: _builtins.str = ...,
+        store_port: _builtins.int = ...,
+        store_prefix: _builtins.str = ...,
+        world_size: _builtins.int = ...,
+        client_rank: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        timeout_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "client_rank", b"client_rank", "group_id", b"group_id", "store_host", b"store_host", "store_port", b"store_port", "store_prefix", b"store_prefix", "timeout_seconds", b"timeout_seconds", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenWeightGroupResponse: _TypeAlias = OpenWeightGroupResponse  # noqa: Y015
+
+@_typing.final
+class CudaIpcHandle(_message.Message):
+    """CUDA IPC handles of one tensor's storage, as torch's `UntypedStorage._share_cuda_()` gives
+    them, and the tensor's place in that storage.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORAGE_HANDLE_FIELD_NUMBER: _builtins.int
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _builtins.int
+    EVENT_HANDLE_FIELD_NUMBER: _builtins.int
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _builtins.int
+    DEVICE_INDEX_FIELD_NUMBER: _builtins.int
+    STORAGE_OFFSET_FIELD_NUMBER: _builtins.int
+    storage_handle: _builtins.bytes
+    """The storage's cudaIpcMemHandle. Required."""
+    storage_size_bytes: _builtins.int
+    """Bytes of the storage."""
+    storage_offset_bytes: _builtins.int
+    """Byte offset of the storage in its allocation."""
+    ref_counter_handle: _builtins.bytes
+    """The sharing reference counter's handle and offset (torch's bookkeeping)."""
+    ref_counter_offset: _builtins.int
+    """Offset in the reference counter."""
+    event_handle: _builtins.bytes
+    """The cudaIpcEventHandle to wait on before reading."""
+    event_sync_required: _builtins.bool
+    """Whether the event must be waited on."""
+    device_index: _builtins.int
+    """The GPU index on the caller's side."""
+    storage_offset: _builtins.int
+    """Offset of the tensor in the storage, in elements."""
+    def __init__(
+        self,
+        *,
+        storage_handle: _builtins.bytes = ...,
+        storage_size_bytes: _builtins.int = ...,
+        storage_offset_bytes: _builtins.int = ...,
+        ref_counter_handle: _builtins.bytes = ...,
+        ref_counter_offset: _builtins.int = ...,
+        event_handle: _builtins.bytes = ...,
+        event_sync_required: _builtins.bool = ...,
+        device_index: _builtins.int = ...,
+        storage_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_index", b"device_index", "event_handle", b"event_handle", "event_sync_required", b"event_sync_required", "ref_counter_handle", b"ref_counter_handle", "ref_counter_offset", b"ref_counter_offset", "storage_handle", b"storage_handle", "storage_offset", b"storage_offset", "storage_offset_bytes", b"storage_offset_bytes", "storage_size_bytes", b"storage_size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaIpcHandle: _TypeAlias = CudaIpcHandle  # noqa: Y015
+
+@_typing.final
+class TensorEntry(_message.Message):
+    """One tensor of a CommitWeights table."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    CRC32_FIELD_NUMBER: _builtins.int
+    CUDA_IPC_FIELD_NUMBER: _builtins.int
+    WORD_SUM_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Parameter name as in the model's state dict (or a LoRA adapter tensor's PEFT name).
+    Required.
+    """
+    dtype: _common_pb2.DType.ValueType
+    """Element type; must match the model's tensor. Required."""
+    offset: _builtins.int
+    """Shared memory: byte offset of the tensor's bytes (C order) in the object, a multiple of
+    its element size; tensors must not overlap. Unused by the other transports.
+    """
+    crc32: _builtins.int
+    """CRC-32 (IEEE, as zlib.crc32) of the tensor's bytes. Required for shared memory and
+    torch.distributed.
+    """
+    word_sum: _builtins.int
+    """CUDA IPC: the sum, modulo 2^64, of the tensor's bytes read as little-endian int32 words
+    (computed on the GPU by both sides, in place of a CRC-32). Required for CUDA IPC.
+    """
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Shape; must match the model's tensor. Required."""
+
+    @_builtins.property
+    def cuda_ipc(self) -> Global___CudaIpcHandle:
+        """CUDA IPC: where the tensor is."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _common_pb2.DType.ValueType = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        offset: _builtins.int = ...,
+        crc32: _builtins.int = ...,
+        cuda_ipc: Global___CudaIpcHandle | None = ...,
+        word_sum: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "cuda_ipc", b"cuda_ipc", "dtype", b"dtype", "name", b"name", "offset", b"offset", "shape", b"shape", "word_sum", b"word_sum"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorEntry: _TypeAlias = TensorEntry  # noqa: Y015
+
+@_typing.final
+class CommitWeightsRequest(_message.Message):
+    """Request of CommitWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_NAME_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Name of a loaded model. Required."""
+    version: _builtins.int
+    """The version the weights will carry; must exceed the current one. Required."""
+    transport: Global___WeightTransport.ValueType
+    """How the bytes travel: shared memory, CUDA IPC or torch.distributed. Required."""
+    shared_memory_name: _builtins.str
+    """Shared memory: the object's name in `shared_memory_dir` ("leap-w-" followed by the
+    writer's process id, "-" and 32 hex digits), created by the caller with O_EXCL and mode
+    0600. It stays the caller's: the service only reads it during this call, so the caller
+    may write it again for its next push once the call has answered, and unlinks it when done.
+    """
+    shared_memory_bytes: _builtins.int
+    """Shared memory: the object's size in bytes."""
+    group_id: _builtins.str
+    """torch.distributed: the group of OpenWeightGroup."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorEntry]:
+        """The tensors, in the order they are sent over a group. Required, at least one."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        transport: Global___WeightTransport.ValueType = ...,
+        shared_memory_name: _builtins.str = ...,
+        shared_memory_bytes: _builtins.int = ...,
+        group_id: _builtins.str = ...,
+        tensors: _abc.Iterable[Global___TensorEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "model", b"model", "shared_memory_bytes", b"shared_memory_bytes", "shared_memory_name", b"shared_memory_name", "tensors", b"tensors", "transport", b"transport", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitWeightsRequest: _TypeAlias = CommitWeightsRequest  # noqa: Y015
+
+@_typing.final
+class CommitWeightsResponse(_message.Message):
+    """One message of a CommitWeights answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PHASE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    TENSORS_UPDATED_FIELD_NUMBER: _builtins.int
+    BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    phase: Global___CommitPhase.ValueType
+    """Where the call stands."""
+    model: _builtins.str
+    """Model name."""
+    version: _builtins.int
+    """Version now serving (COMMITTED)."""
+    tensors_updated: _builtins.int
+    """Number of tensors replaced (COMMITTED)."""
+    bytes_received: _builtins.int
+    """Payload bytes received (COMMITTED)."""
+    seconds: _builtins.float
+    """Seconds from the request to the weights serving (COMMITTED)."""
+    def __init__(
+        self,
+        *,
+        phase: Global___CommitPhase.ValueType = ...,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        tensors_updated: _builtins.int = ...,
+        bytes_received: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "model", b"model", "phase", b"phase", "seconds", b"seconds", "tensors_updated", b"tensors_updated", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitWeightsResponse: _TypeAlias = CommitWeightsResponse  # noqa: Y015
+
+@_typing.final
 class ReloadWeightsRequest(_message.Message):
     """Request of ReloadWeights."""
 
@@ -773,6 +1200,7 @@ class LoadModelRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name to serve the model under, for example "policy" or "teacher-1". Required."""
     path: _builtins.str
@@ -787,6 +1215,16 @@ class LoadModelRequest(_message.Message):
     """Compute dtype: "float32", "bfloat16" or "float16". Default: float32 on CPU, bfloat16 on GPU."""
     version: _builtins.int
     """Weight version to report for the loaded weights. Default 0."""
+    @_builtins.property
+    def lora(self) -> _common_pb2.LoraConfig:
+        """Serve the model with a LoRA adapter of this shape (rank, alpha, target modules;
+        save_merged is ignored), zero at load, so the model first serves its base weights.
+        Weight updates may then carry the adapter's tensors alone, under their PEFT names
+        ("base_model.model.<module>.lora_A.weight", "...lora_B.weight"): the service serves the
+        base weights plus (alpha / rank) * B A, merged into the layers. The hf backend only (vllm:
+        FAILED_PRECONDITION). Default: no adapter.
+        """
+
     def __init__(
         self,
         *,
@@ -796,10 +1234,11 @@ class LoadModelRequest(_message.Message):
         device: _builtins.str = ...,
         dtype: _builtins.str = ...,
         version: _builtins.int = ...,
+        lora: _common_pb2.LoraConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "dtype", b"dtype", "name", b"name", "path", b"path", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "dtype", b"dtype", "lora", b"lora", "name", b"name", "path", b"path", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -986,6 +1425,7 @@ class ModelInfo(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _builtins.int
     MAX_SAMPLES_PER_PROMPT_FIELD_NUMBER: _builtins.int
     MAX_PROMPTS_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name it is served under."""
     path: _builtins.str
@@ -1025,6 +1465,10 @@ class ModelInfo(_message.Message):
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids."""
 
+    @_builtins.property
+    def lora(self) -> _common_pb2.LoraConfig:
+        """The LoRA adapter it serves (rank 0: none), with its defaults filled in."""
+
     def __init__(
         self,
         *,
@@ -1043,10 +1487,11 @@ class ModelInfo(_message.Message):
         architecture: _builtins.str = ...,
         max_samples_per_prompt: _builtins.int = ...,
         max_prompts: _builtins.int = ...,
+        lora: _common_pb2.LoraConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "max_context_tokens", b"max_context_tokens", "max_prompts", b"max_prompts", "max_samples_per_prompt", b"max_samples_per_prompt", "name", b"name", "num_parameters", b"num_parameters", "path", b"path", "tokenizer_fingerprint", b"tokenizer_fingerprint", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "backend", b"backend", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "lora", b"lora", "max_context_tokens", b"max_context_tokens", "max_prompts", b"max_prompts", "max_samples_per_prompt", b"max_samples_per_prompt", "name", b"name", "num_parameters", b"num_parameters", "path", b"path", "tokenizer_fingerprint", b"tokenizer_fingerprint", "version", b"version", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

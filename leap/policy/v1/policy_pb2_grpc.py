@@ -55,6 +55,21 @@ class PolicyServiceStub:
                 request_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=leap_dot_policy_dot_v1_dot_policy__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.GetWeightTransports = channel.unary_unary(
+                '/leap.policy.v1.PolicyService/GetWeightTransports',
+                request_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.GetWeightTransportsRequest.SerializeToString,
+                response_deserializer=leap_dot_policy_dot_v1_dot_policy__pb2.GetWeightTransportsResponse.FromString,
+                _registered_method=True)
+        self.OpenWeightGroup = channel.unary_unary(
+                '/leap.policy.v1.PolicyService/OpenWeightGroup',
+                request_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.OpenWeightGroupRequest.SerializeToString,
+                response_deserializer=leap_dot_policy_dot_v1_dot_policy__pb2.OpenWeightGroupResponse.FromString,
+                _registered_method=True)
+        self.CommitWeights = channel.unary_stream(
+                '/leap.policy.v1.PolicyService/CommitWeights',
+                request_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.CommitWeightsRequest.SerializeToString,
+                response_deserializer=leap_dot_policy_dot_v1_dot_policy__pb2.CommitWeightsResponse.FromString,
+                _registered_method=True)
         self.ReloadWeights = channel.unary_unary(
                 '/leap.policy.v1.PolicyService/ReloadWeights',
                 request_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.ReloadWeightsRequest.SerializeToString,
@@ -111,6 +126,38 @@ class PolicyServiceServicer:
         """Replaces some or all tensors of a model from a client stream of chunks. The new
         weights take effect atomically once the final message (commit = true) arrives and every
         chunk verified; a stream that breaks or ends without commit changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightTransports(self, request, context):
+        """Which weight transports the service accepts for a model besides the UpdateWeights
+        stream, and what a client needs to use them. A service that answers UNIMPLEMENTED (or
+        lists only the stream) takes weights through UpdateWeights alone; clients fall back to it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenWeightGroup(self, request, context):
+        """Opens a torch.distributed group of two processes between the caller (rank 0) and the
+        service (rank 1) for WEIGHT_TRANSPORT_TORCH_DISTRIBUTED pushes to one model: the service
+        starts a TCP store at the address it answers with, and both sides join it. The group is
+        reused by every later CommitWeights that names it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitWeights(self, request, context):
+        """Commits a new weight version whose bytes travel outside this call: in a shared-memory
+        object the caller wrote, through CUDA IPC handles, or over a group of OpenWeightGroup.
+        The call carries the tensor table (names, dtypes, shapes, checksums). Over a group the
+        service first answers COMMIT_PHASE_READY once the table is checked and it is receiving,
+        the caller then sends the tensors in table order; the last message (COMMIT_PHASE_COMMITTED)
+        says the new version serves. The same atomic, versioned commit as UpdateWeights: a bad
+        table, a wrong checksum or a transfer that fails changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +220,21 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=leap_dot_policy_dot_v1_dot_policy__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'GetWeightTransports': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightTransports,
+                    request_deserializer=leap_dot_policy_dot_v1_dot_policy__pb2.GetWeightTransportsRequest.FromString,
+                    response_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.GetWeightTransportsResponse.SerializeToString,
+            ),
+            'OpenWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenWeightGroup,
+                    request_deserializer=leap_dot_policy_dot_v1_dot_policy__pb2.OpenWeightGroupRequest.FromString,
+                    response_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.OpenWeightGroupResponse.SerializeToString,
+            ),
+            'CommitWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.CommitWeights,
+                    request_deserializer=leap_dot_policy_dot_v1_dot_policy__pb2.CommitWeightsRequest.FromString,
+                    response_serializer=leap_dot_policy_dot_v1_dot_policy__pb2.CommitWeightsResponse.SerializeToString,
             ),
             'ReloadWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadWeights,
@@ -309,6 +371,87 @@ class PolicyService:
             '/leap.policy.v1.PolicyService/UpdateWeights',
             leap_dot_policy_dot_v1_dot_policy__pb2.UpdateWeightsRequest.SerializeToString,
             leap_dot_policy_dot_v1_dot_policy__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightTransports(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leap.policy.v1.PolicyService/GetWeightTransports',
+            leap_dot_policy_dot_v1_dot_policy__pb2.GetWeightTransportsRequest.SerializeToString,
+            leap_dot_policy_dot_v1_dot_policy__pb2.GetWeightTransportsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leap.policy.v1.PolicyService/OpenWeightGroup',
+            leap_dot_policy_dot_v1_dot_policy__pb2.OpenWeightGroupRequest.SerializeToString,
+            leap_dot_policy_dot_v1_dot_policy__pb2.OpenWeightGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/leap.policy.v1.PolicyService/CommitWeights',
+            leap_dot_policy_dot_v1_dot_policy__pb2.CommitWeightsRequest.SerializeToString,
+            leap_dot_policy_dot_v1_dot_policy__pb2.CommitWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,26 @@ class PolicyServiceStub:
     weights take effect atomically once the final message (commit = true) arrives and every
     chunk verified; a stream that breaks or ends without commit changes nothing.
     """
+    GetWeightTransports: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetWeightTransportsRequest, _policy_pb2.GetWeightTransportsResponse]
+    """Which weight transports the service accepts for a model besides the UpdateWeights
+    stream, and what a client needs to use them. A service that answers UNIMPLEMENTED (or
+    lists only the stream) takes weights through UpdateWeights alone; clients fall back to it.
+    """
+    OpenWeightGroup: _grpc.UnaryUnaryMultiCallable[_policy_pb2.OpenWeightGroupRequest, _policy_pb2.OpenWeightGroupResponse]
+    """Opens a torch.distributed group of two processes between the caller (rank 0) and the
+    service (rank 1) for WEIGHT_TRANSPORT_TORCH_DISTRIBUTED pushes to one model: the service
+    starts a TCP store at the address it answers with, and both sides join it. The group is
+    reused by every later CommitWeights that names it.
+    """
+    CommitWeights: _grpc.UnaryStreamMultiCallable[_policy_pb2.CommitWeightsRequest, _policy_pb2.CommitWeightsResponse]
+    """Commits a new weight version whose bytes travel outside this call: in a shared-memory
+    object the caller wrote, through CUDA IPC handles, or over a group of OpenWeightGroup.
+    The call carries the tensor table (names, dtypes, shapes, checksums). Over a group the
+    service first answers COMMIT_PHASE_READY once the table is checked and it is receiving,
+    the caller then sends the tensors in table order; the last message (COMMIT_PHASE_COMMITTED)
+    says the new version serves. The same atomic, versioned commit as UpdateWeights: a bad
+    table, a wrong checksum or a transfer that fails changes nothing.
+    """
     ReloadWeights: _grpc.UnaryUnaryMultiCallable[_policy_pb2.ReloadWeightsRequest, _policy_pb2.ReloadWeightsResponse]
     """Replaces a model's weights from a local checkpoint directory (safetensors files)."""
     LoadModel: _grpc.UnaryUnaryMultiCallable[_policy_pb2.LoadModelRequest, _policy_pb2.LoadModelResponse]
@@ -72,6 +92,26 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     """Replaces some or all tensors of a model from a client stream of chunks. The new
     weights take effect atomically once the final message (commit = true) arrives and every
     chunk verified; a stream that breaks or ends without commit changes nothing.
+    """
+    GetWeightTransports: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetWeightTransportsRequest, _policy_pb2.GetWeightTransportsResponse]  # type: ignore[assignment]
+    """Which weight transports the service accepts for a model besides the UpdateWeights
+    stream, and what a client needs to use them. A service that answers UNIMPLEMENTED (or
+    lists only the stream) takes weights through UpdateWeights alone; clients fall back to it.
+    """
+    OpenWeightGroup: _aio.UnaryUnaryMultiCallable[_policy_pb2.OpenWeightGroupRequest, _policy_pb2.OpenWeightGroupResponse]  # type: ignore[assignment]
+    """Opens a torch.distributed group of two processes between the caller (rank 0) and the
+    service (rank 1) for WEIGHT_TRANSPORT_TORCH_DISTRIBUTED pushes to one model: the service
+    starts a TCP store at the address it answers with, and both sides join it. The group is
+    reused by every later CommitWeights that names it.
+    """
+    CommitWeights: _aio.UnaryStreamMultiCallable[_policy_pb2.CommitWeightsRequest, _policy_pb2.CommitWeightsResponse]  # type: ignore[assignment]
+    """Commits a new weight version whose bytes travel outside this call: in a shared-memory
+    object the caller wrote, through CUDA IPC handles, or over a group of OpenWeightGroup.
+    The call carries the tensor table (names, dtypes, shapes, checksums). Over a group the
+    service first answers COMMIT_PHASE_READY once the table is checked and it is receiving,
+    the caller then sends the tensors in table order; the last message (COMMIT_PHASE_COMMITTED)
+    says the new version serves. The same atomic, versioned commit as UpdateWeights: a bad
+    table, a wrong checksum or a transfer that fails changes nothing.
     """
     ReloadWeights: _aio.UnaryUnaryMultiCallable[_policy_pb2.ReloadWeightsRequest, _policy_pb2.ReloadWeightsResponse]  # type: ignore[assignment]
     """Replaces a model's weights from a local checkpoint directory (safetensors files)."""
@@ -120,6 +160,44 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
         """Replaces some or all tensors of a model from a client stream of chunks. The new
         weights take effect atomically once the final message (commit = true) arrives and every
         chunk verified; a stream that breaks or ends without commit changes nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def GetWeightTransports(
+        self,
+        request: _policy_pb2.GetWeightTransportsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.GetWeightTransportsResponse, _abc.Awaitable[_policy_pb2.GetWeightTransportsResponse]]:
+        """Which weight transports the service accepts for a model besides the UpdateWeights
+        stream, and what a client needs to use them. A service that answers UNIMPLEMENTED (or
+        lists only the stream) takes weights through UpdateWeights alone; clients fall back to it.
+        """
+
+    @_abc_1.abstractmethod
+    def OpenWeightGroup(
+        self,
+        request: _policy_pb2.OpenWeightGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.OpenWeightGroupResponse, _abc.Awaitable[_policy_pb2.OpenWeightGroupResponse]]:
+        """Opens a torch.distributed group of two processes between the caller (rank 0) and the
+        service (rank 1) for WEIGHT_TRANSPORT_TORCH_DISTRIBUTED pushes to one model: the service
+        starts a TCP store at the address it answers with, and both sides join it. The group is
+        reused by every later CommitWeights that names it.
+        """
+
+    @_abc_1.abstractmethod
+    def CommitWeights(
+        self,
+        request: _policy_pb2.CommitWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_policy_pb2.CommitWeightsResponse], _abc.AsyncIterator[_policy_pb2.CommitWeightsResponse]]:
+        """Commits a new weight version whose bytes travel outside this call: in a shared-memory
+        object the caller wrote, through CUDA IPC handles, or over a group of OpenWeightGroup.
+        The call carries the tensor table (names, dtypes, shapes, checksums). Over a group the
+        service first answers COMMIT_PHASE_READY once the table is checked and it is receiving,
+        the caller then sends the tensors in table order; the last message (COMMIT_PHASE_COMMITTED)
+        says the new version serves. The same atomic, versioned commit as UpdateWeights: a bad
+        table, a wrong checksum or a transfer that fails changes nothing.
         """
 
     @_abc_1.abstractmethod

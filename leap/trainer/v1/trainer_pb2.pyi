@@ -260,6 +260,9 @@ class RunConfig(_message.Message):
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     EVAL_TURNS_FIELD_NUMBER: _builtins.int
     EVAL_TRAIN_TASKS_FIELD_NUMBER: _builtins.int
+    MAX_STALENESS_FIELD_NUMBER: _builtins.int
+    IMPORTANCE_CAP_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     REPORT_TO_FIELD_NUMBER: _builtins.int
     FLAGGED_VERDICTS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
@@ -301,6 +304,17 @@ class RunConfig(_message.Message):
     """At each evaluation, also measure the training tasks on fresh samples (a seed no training
     rollout uses), with the same samples and turns; their metrics are prefixed "train_tasks/".
     What RL improves first is the tasks it trains on; held-out tasks show what carries over.
+    """
+    max_staleness: _builtins.int
+    """Asynchronous rollouts: how many learner updates behind the learner a step's rollouts may
+    be sampled. 0 (the default) is the synchronous loop (sample, judge, learn, push). With
+    k >= 1 the rollouts of step s + k are generated and judged on the weights after update
+    s - 1 while the learner trains step s, and the loss weighs each token of a stale rollout
+    by the truncated importance ratio min(pi_learner / pi_sampler, importance_cap).
+    """
+    importance_cap: _builtins.float
+    """Cap C of the truncated importance ratio of stale rollouts (max_staleness >= 1). Default
+    2.0 when unset.
     """
     flagged_verdicts: Global___FlaggedVerdicts.ValueType
     """What a passing verdict the sandbox flagged (VERDICT_FLAG_SUSPICIOUS_SPEEDUP: faster than
@@ -346,6 +360,10 @@ class RunConfig(_message.Message):
         """RGRPO rounds; rounds = 0 is a plain run."""
 
     @_builtins.property
+    def lora(self) -> _common_pb2.LoraConfig:
+        """Train LoRA adapters (PEFT) instead of every weight, and push only them. Default: off."""
+
+    @_builtins.property
     def report_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Experiment trackers that also get the run's metrics (the "train" and "eval" values, as
         "<kind>/<name>" at their step), its config and, when it ends, its plots and end state,
@@ -386,14 +404,19 @@ class RunConfig(_message.Message):
         display_name: _builtins.str = ...,
         eval_turns: _builtins.int = ...,
         eval_train_tasks: _builtins.bool = ...,
+        max_staleness: _builtins.int = ...,
+        importance_cap: _builtins.float | None = ...,
+        lora: _common_pb2.LoraConfig | None = ...,
         report_to: _abc.Iterable[_builtins.str] | None = ...,
         flagged_verdicts: Global___FlaggedVerdicts.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["gate", b"gate", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "gate", b"gate", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "loss", b"loss", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__importance_cap: _TypeAlias = _typing.Literal["importance_cap"]  # noqa: Y015
+    _WhichOneofArgType__importance_cap: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__importance_cap) -> _WhichOneofReturnType__importance_cap | None: ...
 
 Global___RunConfig: _TypeAlias = RunConfig  # noqa: Y015
 

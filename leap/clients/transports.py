@@ -1,0 +1,429 @@
+"""Pushing weights by the fastest transport a learner and a policy service share, with the
+same atomic, versioned, checksummed commit as the UpdateWeights stream:
+
+- shared memory (same host): the learner writes every tensor into one POSIX shared-memory
+  object it creates once (O_EXCL, mode 0600, an unguessable name) and reuses for every push,
+  computing each tensor's CRC-32 as it copies; `CommitWeights` carries only the object's
+  name, the tensor table and the checksums. The service copies out and verifies in one pass,
+  then applies; the learner unlinks the object when the pusher closes;
+- CUDA IPC (same host, GPU tensors): the table carries each tensor's IPC handles and a word
+  sum computed on the GPU; the service copies device to device;
+- torch.distributed (any host): a two-process group (learner rank 0, service rank 1; gloo on
+  CPU, NCCL on GPU) opened once with `OpenWeightGroup` and reused; `CommitWeights` carries the
+  table, the service answers READY, the learner sends each tensor, the service verifies
+  the CRC-32s and applies;
+- the UpdateWeights stream (`leap.clients.weights`), which every service accepts.
+
+    from leap.clients import connect
+    from leap.clients.transports import WeightPusher
+
+    pusher = WeightPusher(connect("policy", "127.0.0.1:50051"), "policy")   # transport="auto"
+    result = await pusher.push(version, model.state_dict())
+    result.transport, result.bytes, result.seconds
+    await pusher.close()
+
+`transport="auto"` asks the service which transports it takes (`GetWeightTransports`; a
+service that does not know the RPC takes only the stream) and uses shared memory when the
+service's host probe is readable here (same host and /dev/shm), else a torch.distributed
+group when offered, else the stream. A transport that cannot work here (no shared memory
+to write, a group that does not form, a service that refuses it as unavailable) is dropped
+for the pusher's life and the push goes by the next one; a refusal of the weights themselves
+(INVALID_ARGUMENT: a stale version, a bad checksum) is raised, never retried elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import mmap
+import os
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from leap.clients.weights import NAMED_DTYPES, _unique, crc32, proto_dtype, push_weights
+from leap.policy.v1 import policy_pb2
+from leap.runtime.logging import get_logger
+
+Transport = policy_pb2.WeightTransport
+STREAM = Transport.WEIGHT_TRANSPORT_GRPC_STREAM
+SHARED_MEMORY = Transport.WEIGHT_TRANSPORT_SHARED_MEMORY
+CUDA_IPC = Transport.WEIGHT_TRANSPORT_CUDA_IPC
+DISTRIBUTED = Transport.WEIGHT_TRANSPORT_TORCH_DISTRIBUTED
+NAMES = {"stream": STREAM, "shm": SHARED_MEMORY, "cuda-ipc": CUDA_IPC, "distributed": DISTRIBUTED}
+CHOICES = ("auto", *NAMES)
+
+SHM_NAME = re.compile(r"^leap-w-(\d{1,10})-[0-9a-f]{32}$")
+ALIGN = 64  # byte alignment of each tensor in a shared-memory object
+BLOCK = 256 * 1024  # copy and checksum in blocks that stay in cache: the CRC reads what the copy just wrote
+
+log = get_logger("leap.weights")
+
+
+def transport_name(transport: int) -> str:
+    return next((name for name, value in NAMES.items() if value == transport), str(transport))
+
+
+# --- checksums and tables ---------------------------------------------------------------------
+
+
+def word_sum(tensor: torch.Tensor) -> int:
+    """The CUDA IPC checksum: the sum modulo 2^64 of the tensor's bytes read as little-endian
+    int32 words (the last 1-3 bytes, if any, as one zero-padded word), computed where the
+    tensor lives. Cheap on a GPU, where a CRC-32 is not at hand; it catches a wrong handle,
+    offset or size, not a reordering."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = flat.numel() // 4 * 4
+    total = int(flat[:whole].view(torch.int32).sum(dtype=torch.int64).item()) if whole else 0
+    if whole < flat.numel():
+        tail = bytes(flat[whole:].cpu().tolist()) + b"\0" * (4 - (flat.numel() - whole))
+        total += int.from_bytes(tail, "little", signed=True)
+    return total % 2**64
+
+
+def prepared(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+             device: str | None = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """The tensors to send: tied ones once, floating ones cast to `dtype`, contiguous, on
+    `device` (None: where they are)."""
+    out = []
+    for name, tensor in _unique(state_dict):
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if device is not None:
+            tensor = tensor.to(device)
+        out.append((name, tensor.contiguous()))
+    return out
+
+
+def host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a flat uint8 array (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def entry(name: str, tensor: torch.Tensor, **fields) -> policy_pb2.TensorEntry:
+    return policy_pb2.TensorEntry(name=name, dtype=proto_dtype(tensor.dtype), shape=list(tensor.shape), **fields)
+
+
+# --- shared memory ------------------------------------------------------------------------------
+
+
+def shm_name() -> str:
+    """A fresh object name: this process's id (so leftovers of a dead writer can be found) and
+    128 random bits (so nobody can guess it in advance)."""
+    return f"leap-w-{os.getpid()}-{secrets.token_hex(16)}"
+
+
+def sweep_leftovers(directory: Path) -> int:
+    """Unlink shared-memory objects of this user whose writer process is gone (a learner
+    killed between writing and committing); returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        match = SHM_NAME.match(name)
+        if not match:
+            continue
+        pid = int(match.group(1))
+        path = directory / name
+        try:
+            if path.stat().st_uid != os.geteuid() or pid == os.getpid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except OSError:
+            continue
+    return removed
+
+
+class SharedSegment:
+    """One shared-memory object this process created (O_EXCL, 0600) and writes every push
+    into: its pages stay allocated between pushes, so a push copies into warm memory (a
+    fresh tmpfs page costs more to fault in than to copy on virtual machines). Unlinked by
+    `close`, or, if this process dies first, by the next writer's `sweep_leftovers`."""
+
+    def __init__(self, directory: Path, size: int):
+        self.path = directory / shm_name()
+        self.size = max(size, 1)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            self.mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.mapping, dtype=np.uint8)
+
+    def write(self, tensors: list[tuple[str, torch.Tensor]]) -> list[policy_pb2.TensorEntry]:
+        """Copy every tensor in (each at an aligned offset), its CRC-32 computed block by
+        block right after each block's copy, while the bytes are still in cache."""
+        entries, offset = [], 0
+        for name, tensor in tensors:
+            offset = (offset + ALIGN - 1) // ALIGN * ALIGN
+            source = host_bytes(tensor)
+            crc = 0
+            for start in range(0, source.size, BLOCK):
+                block = self.array[offset + start : offset + min(start + BLOCK, source.size)]
+                np.copyto(block, source[start : start + BLOCK])
+                crc = crc32(block, crc)
+            entries.append(entry(name, tensor, offset=offset, crc32=crc))
+            offset += source.size
+        return entries
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.array = None  # type: ignore[assignment]
+        try:
+            self.mapping.close()
+        except BufferError:  # a view still exported: the mapping goes with it
+            pass
+
+
+def shared_size(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """Bytes of an object holding `tensors` at ALIGN-aligned offsets."""
+    size = 0
+    for _, tensor in tensors:
+        size = (size + ALIGN - 1) // ALIGN * ALIGN + tensor.numel() * tensor.element_size()
+    return size
+
+
+def same_host(reply: policy_pb2.GetWeightTransportsResponse) -> bool:
+    """Whether the service's host probe is readable here with its nonce: this process sees the
+    service's shared-memory directory (same host, same /dev/shm)."""
+    if not reply.host_probe_path or not reply.host_probe_nonce:
+        return False
+    try:
+        return Path(reply.host_probe_path).read_bytes() == reply.host_probe_nonce
+    except OSError:
+        return False
+
+
+# --- torch.distributed ----------------------------------------------------------------------------
+
+
+def join_group(reply: policy_pb2.OpenWeightGroupResponse):
+    """This side (rank 0) of a group OpenWeightGroup opened (blocks until both have joined)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=reply.timeout_seconds or 120)
+    store = dist.TCPStore(reply.store_host, reply.store_port, reply.world_size, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(reply.store_prefix, store)
+    if reply.backend == "nccl":
+        group = dist.ProcessGroupNCCL(prefixed, reply.client_rank, reply.world_size)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, reply.client_rank, reply.world_size, timeout)
+    return store, group
+
+
+def send_all(group, tensors: list[tuple[str, torch.Tensor]], peer: int = 1) -> None:
+    """Send each tensor to the service in table order (blocking)."""
+    for _, tensor in tensors:
+        group.send([tensor], peer, 0).wait()
+
+
+# --- the pusher ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    """What one push did."""
+
+    version: int
+    transport: str
+    bytes: int
+    seconds: float
+    tensors: int
+
+
+class TransportUnavailable(Exception):
+    """This transport cannot work between these two ends; the next one should be tried."""
+
+
+UNAVAILABLE_HERE = {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.PERMISSION_DENIED}
+
+
+class WeightPusher:
+    """Pushes weights to one model of one policy service (see the module docstring)."""
+
+    def __init__(self, stub, model: str, transport: str = "auto", *, timeout: float | None = None,
+                 chunk_bytes: int | None = None):
+        if transport not in CHOICES:
+            raise ValueError(f"transport must be one of {', '.join(CHOICES)}, not {transport!r}")
+        self.stub = stub
+        self.model = model
+        self.requested = transport
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self.offer: policy_pb2.GetWeightTransportsResponse | None = None
+        self.dropped: set[int] = set()
+        self._group = None  # (group_id, store, process group)
+        self._segment: SharedSegment | None = None
+
+    async def transports(self) -> list[int]:
+        """The transports to try, best first (asks the service once)."""
+        if self.offer is None:
+            try:
+                self.offer = await self.stub.GetWeightTransports(
+                    policy_pb2.GetWeightTransportsRequest(model=self.model), timeout=self.timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self.offer = policy_pb2.GetWeightTransportsResponse(transports=[STREAM])  # a stream-only service
+        offered = set(self.offer.transports)
+        if self.requested != "auto":
+            wanted = NAMES[self.requested]
+            order = [wanted] if wanted in offered or wanted == STREAM else []
+            if not order:
+                raise TransportUnavailable(f"the policy service does not offer the {self.requested} transport for "
+                                           f"{self.model!r} (it offers "
+                                           f"{', '.join(transport_name(t) for t in self.offer.transports)})")
+            return order
+        local = same_host(self.offer)
+        order = [t for t in (CUDA_IPC, SHARED_MEMORY, DISTRIBUTED)
+                 if t in offered and (t == DISTRIBUTED or local)]
+        return [t for t in order if t not in self.dropped] + [STREAM]
+
+    async def push(self, version: int, state_dict: Mapping[str, torch.Tensor],
+                   dtype: torch.dtype | str | None = "auto") -> PushResult:
+        """Send `state_dict` as `version` (above the serving one) and commit it."""
+        started = time.perf_counter()
+        if dtype == "auto":
+            info = await self.stub.GetModel(policy_pb2.GetModelRequest(name=self.model), timeout=self.timeout)
+            dtype = NAMED_DTYPES.get(info.model.dtype)
+        for transport in await self.transports():
+            try:
+                reply = await self._push(transport, version, state_dict, dtype)  # type: ignore[arg-type]
+            except TransportUnavailable as why:
+                if self.requested != "auto":
+                    raise
+                self.dropped.add(transport)
+                log.warning("weight transport unavailable, trying the next", transport=transport_name(transport),
+                            reason=str(why))
+                continue
+            return PushResult(reply.version, transport_name(transport), reply.bytes_received,
+                              time.perf_counter() - started, reply.tensors_updated)
+        raise AssertionError("the stream is always tried last")
+
+    async def _push(self, transport: int, version: int, state_dict, dtype):
+        if transport == STREAM:
+            kwargs = {"chunk_bytes": self.chunk_bytes} if self.chunk_bytes else {}
+            return await push_weights(self.stub, self.model, version, state_dict, dtype=dtype, timeout=self.timeout,
+                                      **kwargs)
+        try:
+            if transport == SHARED_MEMORY:
+                return await self._push_shared(version, state_dict, dtype)
+            if transport == DISTRIBUTED:
+                return await self._push_group(version, state_dict, dtype)
+            if transport == CUDA_IPC:
+                return await self._push_cuda_ipc(version, state_dict, dtype)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in UNAVAILABLE_HERE:
+                raise TransportUnavailable(f"{err.code().name}: {err.details()}") from None
+            raise
+        raise TransportUnavailable(f"transport {transport_name(transport)} is not built into this client")
+
+    async def _push_shared(self, version: int, state_dict, dtype):
+        directory = Path(self.offer.shared_memory_dir or "/dev/shm")
+        tensors = prepared(state_dict, dtype)
+        size = shared_size(tensors)
+        try:
+            if self._segment is None or self._segment.size < size:
+                if self._segment is not None:
+                    self._segment.close()
+                await asyncio.to_thread(sweep_leftovers, directory)
+                self._segment = await asyncio.to_thread(SharedSegment, directory, size)
+            entries = await asyncio.to_thread(self._segment.write, tensors)
+        except OSError as err:  # no room, no such directory, not writable
+            raise TransportUnavailable(f"cannot write shared memory in {directory}: {err}") from None
+        request = policy_pb2.CommitWeightsRequest(
+            model=self.model, version=version, transport=SHARED_MEMORY, shared_memory_name=self._segment.path.name,
+            shared_memory_bytes=self._segment.size, tensors=entries)
+        return await self._commit(request)
+
+    async def _push_cuda_ipc(self, version: int, state_dict, dtype):
+        """GPU tensors by their CUDA IPC handles (the service copies them device to device
+        before it answers; `tensors` keeps them alive until then)."""
+        tensors = prepared(state_dict, dtype, device=None)
+        if not tensors or any(t.device.type != "cuda" for _, t in tensors):
+            raise TransportUnavailable("CUDA IPC carries GPU tensors; these are on the CPU")
+        entries = []
+        for name, tensor in tensors:
+            device, handle, size, offset, ref_handle, ref_offset, event, sync = tensor.untyped_storage()._share_cuda_()
+            ipc = policy_pb2.CudaIpcHandle(storage_handle=handle, storage_size_bytes=size, storage_offset_bytes=offset,
+                                           ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
+                                           event_handle=event or b"", event_sync_required=bool(sync),
+                                           device_index=device, storage_offset=tensor.storage_offset())
+            entries.append(entry(name, tensor, word_sum=word_sum(tensor), cuda_ipc=ipc))
+        request = policy_pb2.CommitWeightsRequest(model=self.model, version=version, transport=CUDA_IPC,
+                                                  tensors=entries)
+        reply = await self._commit(request)
+        del tensors
+        return reply
+
+    async def _commit(self, request: policy_pb2.CommitWeightsRequest, on_ready=None):
+        call = self.stub.CommitWeights(request, timeout=self.timeout)
+        last = None
+        async for reply in call:
+            if reply.phase == policy_pb2.COMMIT_PHASE_READY and on_ready is not None:
+                await on_ready()
+            last = reply
+        if last is None or last.phase != policy_pb2.COMMIT_PHASE_COMMITTED:
+            raise RuntimeError("CommitWeights ended without COMMITTED")
+        return last
+
+    async def group(self):
+        """The torch.distributed group with the service (opened on first use)."""
+        if self._group is None:
+            reply = await self.stub.OpenWeightGroup(policy_pb2.OpenWeightGroupRequest(model=self.model),
+                                                    timeout=self.timeout)
+            try:
+                store, group = await asyncio.to_thread(join_group, reply)
+            except Exception as err:  # unreachable store, a group that never formed
+                raise TransportUnavailable(f"cannot join the weight group at {reply.store_host}:{reply.store_port}: "
+                                           f"{err}") from None
+            self._group = (reply.group_id, store, group, reply.backend)
+        return self._group
+
+    async def _push_group(self, version: int, state_dict, dtype):
+        group_id, _, group, backend = await self.group()
+        device = None if backend == "nccl" else "cpu"
+        tensors = prepared(state_dict, dtype, device=device)
+        entries = await asyncio.to_thread(
+            lambda: [entry(n, t, crc32=crc32(host_bytes(t)) if t.device.type == "cpu" else 0,
+                           word_sum=word_sum(t) if t.device.type == "cuda" else 0) for n, t in tensors])
+        request = policy_pb2.CommitWeightsRequest(model=self.model, version=version, transport=DISTRIBUTED,
+                                                  group_id=group_id, tensors=entries)
+
+        async def send() -> None:
+            try:
+                await asyncio.to_thread(send_all, group, tensors)
+            except Exception:
+                self._group = None  # a broken group is not used again; the next push opens another
+                raise
+
+        try:
+            return await self._commit(request, on_ready=send)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._group = None  # the service gave the group up: reopen on the next push
+            raise
+
+    async def close(self) -> None:
+        self._group = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
