@@ -1,27 +1,37 @@
-"""Sandbox speed, as ratios measured in one run on this machine (DESIGN.md, "Figures"):
+"""Sandbox speed and timing noise, as ratios measured in one run on this machine (DESIGN.md,
+"Figures"):
 
 1. compile: one kernel through the sandbox's compile stage cold and from the cache, against
    the same kernel built by torch.utils.cpp_extension.load_inline (targets: >= 20x faster
-   cold, a cache hit under 5 ms);
-2. evaluation latency over gRPC: a whole Evaluate, cold and cached;
-3. throughput: a batch of distinct candidates with 1 worker and with one per core (target:
-   near-linear in the cores);
+   cold, a cache hit under 5 ms); and a whole Evaluate over gRPC, cold and cached;
+2. throughput: the built-in suite's solutions in one batch, with 1 worker and with one per
+   core, through `leap serve sandbox` (target: near-linear in the cores); with --baseline,
+   the same for an earlier checkout (goal: at least 0.7 of its throughput);
+3. noise: the relu and gemm solutions evaluated --noise-runs times each (default 30) with the
+   machine as it is, beside --busy CPU-bound processes, and with --load demo while `leap demo`
+   trains on the same cores; the 95th over the 5th percentile of the speedups (goal: at most
+   1.3 in each), and for --baseline the same;
 4. with --gpu: every CUDA solution on the large preset against the PyTorch baseline, and
    the effect of the L2 flush and the device synchronize on timings.
 
-    python benchmarks/bench_sandbox.py --out runs/bench_sandbox [--gpu] [--quick]
+    python benchmarks/bench_sandbox.py --json runs/bench_sandbox.json --baseline ../main --load demo
 
-Writes results.json and sandbox.png to --out.
+Writes results.json (and --json) and sandbox.png to --out. The sandboxes it starts use uids
+from --sandbox-uid up: no other sandbox on the machine may use them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -86,7 +96,7 @@ def unique(code: str) -> str:
 
 def compile_stage(sandbox: Sandbox, code: str, runs: int) -> list[float]:
     """Seconds of the compile stage alone (the evaluator's own code path, in this process)."""
-    from svc_sandbox.pipeline import resolve
+    from svc_sandbox.evaluator import resolve
 
     evaluator = sandbox.servicer.evaluator
     zygote = sandbox.servicer.pool.zygotes[0]
@@ -96,9 +106,9 @@ def compile_stage(sandbox: Sandbox, code: str, runs: int) -> list[float]:
     seconds = []
     for _ in range(runs):
         verdict = sandbox_pb2.Verdict()
-        with evaluator._job_dir(zygote) as cwd:
+        with evaluator.job_dir(zygote) as cwd:
             started = time.perf_counter()
-            assert evaluator._compile(request, code, verdict, zygote, cwd) is not None, verdict.compile.log
+            assert evaluator.toolchains[CPU].compile(request, code, verdict, zygote, cwd) is not None, verdict.compile.log
             seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -145,23 +155,186 @@ def bench_compile(directory: Path, quick: bool) -> dict:
             "evaluate_cached_ms": ms(evaluate_hit), "evaluate_cached_timed_ms": ms(evaluate_timed)}
 
 
-def bench_throughput(directory: Path, quick: bool) -> dict:
+class Served:
+    """`leap serve sandbox` of a checkout (this one, or the baseline it is compared with) as a
+    process of its own, reached over gRPC: both sides measured the same way, in one run."""
+
+    def __init__(self, checkout: Path, directory: Path, uid: int, **flags):
+        from leap.commands.health import check
+
+        self.checkout = checkout
+        python = checkout / ".venv" / "bin" / "python"
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        args = [str(python if python.exists() else sys.executable), "-m", "leap", "serve", "sandbox", "--port", str(port),
+                "--cache-dir", str(directory / f"cache-{uuid.uuid4().hex}"), "--sandbox-uid", str(uid),
+                "--log-level", "warning"]
+        for name, value in flags.items():
+            args += [f"--{name.replace('_', '-')}", str(value)]
+        env = dict(os.environ, PYTHONPATH=str(checkout))
+        self.log = open(directory / f"serve-{port}.log", "wb")
+        self.process = subprocess.Popen(args, cwd=checkout, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + 180
+        while check(self.address, timeout=1.0) != "SERVING":
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the sandbox of {checkout} did not start: see {self.log.name}")
+            time.sleep(0.2)
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = sandbox_pb2_grpc.SandboxServiceStub(self.channel)
+
+    def evaluate(self, task_id: str, code: str, **options) -> sandbox_pb2.Verdict:
+        candidate = sandbox_pb2.Candidate(task_id=task_id, toolchain=CPU, source=prompts.answer(code, CPU))
+        return self.stub.Evaluate(sandbox_pb2.EvaluateRequest(candidate=candidate, options=sandbox_pb2.EvaluateOptions(
+            **options)), timeout=600).verdict
+
+    def batch(self, candidates, **options) -> tuple[list[sandbox_pb2.Verdict], float]:
+        started = time.perf_counter()
+        replies = list(self.stub.EvaluateBatch(sandbox_pb2.EvaluateBatchRequest(
+            candidates=candidates, options=sandbox_pb2.EvaluateOptions(**options)), timeout=3600))
+        return [r.verdict for r in sorted(replies, key=lambda r: r.index)], time.perf_counter() - started
+
+    def close(self) -> None:
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+@contextlib.contextmanager
+def served(checkout: Path, directory: Path, uid: int, **flags):
+    sandbox = Served(checkout, directory, uid, **flags)
+    try:
+        yield sandbox
+    finally:
+        sandbox.close()
+
+
+def bench_throughput(directory: Path, quick: bool, checkout: Path, uid: int) -> dict:
+    """The built-in suite's solutions (each made distinct, so each compiles) in one batch, with
+    1 worker and one per core; timing_trials=5 and warmup_runs=1 as every version of this
+    benchmark has used."""
     suite = tasks.load_suite()
     copies = 1 if quick else 2
     cores = available_cores()
     results = {}
     for workers in sorted({1, cores}):
-        sandbox = Sandbox(directory, workers=workers, threads_per_candidate=1)
-        try:
+        with served(checkout, directory, uid, workers=workers, threads_per_candidate=1) as sandbox:
             batch = [sandbox_pb2.Candidate(task_id=t.id, toolchain=CPU, source=prompts.answer(unique(solution(t.id))))
                      for t in suite for _ in range(copies)]
             verdicts, seconds = sandbox.batch(batch, timing_trials=5, warmup_runs=1)
-            assert all(v.stage == common_pb2.Stage.STAGE_PASSED for v in verdicts)
-            results[workers] = {"candidates": len(batch), "seconds": seconds, "per_second": len(batch) / seconds}
-        finally:
-            sandbox.close()
+            failed = [f"{v.task_id}: {v.message}" for v in verdicts if v.stage != common_pb2.Stage.STAGE_PASSED]
+            results[workers] = {"candidates": len(batch), "seconds": seconds, "per_second": len(batch) / seconds,
+                                "not_passed": failed}
     scaling = results[cores]["per_second"] / results[1]["per_second"] if cores > 1 else 1.0
     return {"cores": cores, "by_workers": results, "scaling": scaling, "scaling_efficiency": scaling / cores}
+
+
+# ------------------------------------------------------------------------------------------
+# Noise: one honest solution evaluated many times, with the machine quiet, beside CPU-bound
+# processes, or while a `leap demo` trains on the same cores.
+
+
+@contextlib.contextmanager
+def busy(count: int):
+    """`count` CPU-bound processes (each spins a core) for as long as the block lasts."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+                for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+@contextlib.contextmanager
+def demo_load(directory: Path, warmup: float, limit: float):
+    """`leap demo` training on this machine (its own stack: policy, sandbox, reward, trainer),
+    started `warmup` seconds before the block (the tiny model is built, or taken from
+    `directory`'s cache, and the stack starts) and ended after it, or after `limit` seconds."""
+    directory.mkdir(parents=True, exist_ok=True)
+    log = open(directory / "demo-load.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "leap", "demo", "--steps", "1000", "--quiet",
+                                "--out", str(directory)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    killer = threading.Timer(limit, lambda: os.killpg(process.pid, signal.SIGTERM))
+    killer.start()
+    try:
+        deadline = time.monotonic() + warmup
+        while time.monotonic() < deadline and process.poll() is None:
+            time.sleep(1)
+        if process.poll() is not None:
+            raise RuntimeError(f"leap demo ended early: see {log.name}")
+        yield
+    finally:
+        killer.cancel()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        log.close()
+
+
+def spread(values: list[float]) -> float:
+    """95th over 5th percentile (the noise figure of DESIGN.md); inf when a value is 0."""
+    import numpy as np
+
+    low, high = np.percentile(values, 5), np.percentile(values, 95)
+    return float(high / low) if low > 0 else float("inf")
+
+
+def bench_noise(sandbox: Served, runs: int, label: str) -> dict:
+    rows = {}
+    for task_id in ("relu", "gemm"):
+        code = solution(task_id)
+        sandbox.evaluate(task_id, code)  # compiled and its pools drawn before the runs that count
+        speedups, widths, unreliable, seconds = [], [], 0, []
+        for _ in tqdm(range(runs), desc=f"noise {label} {task_id}", leave=False):
+            verdict = sandbox.evaluate(task_id, code)
+            assert verdict.stage == common_pb2.Stage.STAGE_PASSED, verdict.message
+            speedups.append(verdict.speedup)
+            seconds.append(verdict.wall_seconds)
+            if verdict.speedup_high:
+                widths.append((verdict.speedup_high - verdict.speedup_low) / verdict.speedup)
+            unreliable += sandbox_pb2.VERDICT_FLAG_TIMING_UNRELIABLE in verdict.flags
+        rows[task_id] = {"speedups": speedups, "p95_over_p5": spread(speedups), "median": statistics.median(speedups),
+                         "min": min(speedups), "max": max(speedups), "timing_unreliable": unreliable,
+                         "median_interval_width": statistics.median(widths) if widths else None,
+                         "median_evaluate_s": statistics.median(seconds)}
+    return rows
+
+
+def noise_conditions(args: argparse.Namespace, directory: Path, checkout: Path, uid: int) -> dict:
+    """The noise figure of one checkout under every condition asked for."""
+    results = {}
+    runs = 8 if args.quick else args.noise_runs
+    conditions = [("quiet", contextlib.nullcontext)]
+    if args.busy:
+        conditions.append((f"beside {args.busy} busy processes", lambda: busy(args.busy)))
+    if args.load == "demo":
+        conditions.append(("while leap demo trains", lambda: demo_load(Path(args.load_dir), args.load_warmup,
+                                                                      args.load_seconds)))
+    with served(checkout, directory, uid) as sandbox:
+        for label, condition in conditions:
+            with condition():
+                row = results[label] = {"load_average": os.getloadavg()[0], **bench_noise(sandbox, runs, label)}
+            for task_id in ("relu", "gemm"):
+                r = row[task_id]
+                print(f"{checkout.name} noise, {label} (load {row['load_average']:.1f}), {task_id}: p95/p5 "
+                      f"{r['p95_over_p5']:.2f} (goal <= 1.3), median {r['median']:.2f}x, {r['min']:.2f}-{r['max']:.2f}x, "
+                      f"{r['timing_unreliable']} TIMING_UNRELIABLE", flush=True)
+    return results
 
 
 def bench_gpu(directory: Path, quick: bool) -> dict:
@@ -176,6 +349,7 @@ def bench_gpu(directory: Path, quick: bool) -> dict:
         per_task = {v.task_id: {"stage": common_pb2.Stage.Name(v.stage), "speedup": v.speedup,
                                 "candidate_ms": v.candidate_timing.median_ms, "reference_ms": v.reference_timing.median_ms,
                                 "candidate_std_ms": v.candidate_timing.std_ms, "compile_s": v.compile.seconds,
+                                "speedup_low": v.speedup_low, "speedup_high": v.speedup_high,
                                 "flags": [sandbox_pb2.VerdictFlag.Name(f) for f in v.flags],
                                 "sm_clock_mhz": [s.sm_clock_mhz for s in v.telemetry][:3]} for v in verdicts}
         checks = {}
@@ -209,7 +383,7 @@ def plot(results: dict, path: Path) -> None:
     axes[0].set_yscale("log")
     axes[0].set_ylabel("compile latency (ms, log)")
     axes[0].set_title(f"compile: {c['cold_speedup_vs_load_inline']:.0f}x faster than load_inline")
-    t = results["throughput"]
+    t = results["throughput"]["current"]
     workers = sorted(int(w) for w in t["by_workers"])
     axes[1].plot(workers, [t["by_workers"][w]["per_second"] for w in workers], "o-", label="measured")
     axes[1].plot(workers, [t["by_workers"][workers[0]]["per_second"] * w for w in workers], "--", label="linear")
@@ -228,22 +402,55 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def save(results: dict, out: Path, json_path: str | None) -> None:
+    """Write what is measured so far (a long run that fails late keeps its earlier parts)."""
+    text = json.dumps(results, indent=2, default=str)
+    (out / "results.json").write_text(text)
+    if json_path:
+        Path(json_path).write_text(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_sandbox", help="directory for results.json and sandbox.png")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--sections", default="compile,throughput,noise",
+                        help="what to measure, comma-separated: compile, throughput, noise (default all three)")
     parser.add_argument("--gpu", action="store_true", help="also run the GPU part (needs an NVIDIA GPU)")
     parser.add_argument("--gpu-only", action="store_true", help="run only the GPU part")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--baseline", help="a checkout of an earlier sandbox (for example the main branch's) to "
+                                           "measure the same way in the same run: throughput and noise are reported "
+                                           "against it")
+    parser.add_argument("--noise-runs", type=int, default=30, help="evaluations per task and condition (default 30)")
+    parser.add_argument("--busy", type=int, default=2, help="CPU-bound processes to start for the noise figure's "
+                                                            "busy condition (default 2; 0: leave it out)")
+    parser.add_argument("--load", choices=["none", "demo"], default="none",
+                        help="demo: also measure the noise while `leap demo` trains on this machine")
+    parser.add_argument("--load-dir", default="runs/bench-demo-load", help="where the demo load keeps its model "
+                                                                           "(built once, then reused)")
+    parser.add_argument("--load-warmup", type=float, default=120.0, help="seconds the demo runs before measuring")
+    parser.add_argument("--load-seconds", type=float, default=1800.0, help="the demo is stopped after this long")
+    parser.add_argument("--sandbox-uid", type=int, default=62000,
+                        help="uid base of the sandboxes started here (each gets its own range: other sandboxes on "
+                             "this host must not share it)")
     args = parser.parse_args()
     configure_logging("warning")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = get_logger("bench")
-    results: dict = {"machine": {"cores": available_cores(), "note": "shared machine: figures vary between runs"}}
+    sections = set() if args.gpu_only else {s.strip() for s in args.sections.split(",") if s.strip()}
+    checkouts = {"current": ROOT}
+    if args.baseline:
+        checkouts["baseline"] = Path(args.baseline).resolve()
+    results: dict = {"machine": {"cores": available_cores(), "load_average_at_start": os.getloadavg(),
+                                 "note": "figures vary with what else runs on the machine: compare ratios taken in "
+                                         "one run"},
+                     "checkouts": {k: str(v) for k, v in checkouts.items()}}
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as scratch:
         directory = Path(scratch)
         os.chmod(directory, 0o755)
-        if not args.gpu_only:
+        if "compile" in sections:
             results["compile"] = bench_compile(directory, args.quick)
             c = results["compile"]
             print(f"compile, cold:           sandbox {c['sandbox_cold_ms']:.0f} ms, load_inline {c['load_inline_cold_ms']:.0f} ms"
@@ -251,13 +458,29 @@ def main() -> int:
             print(f"compile, cache hit:      {c['sandbox_hit_ms']:.2f} ms (target < 5 ms)")
             print(f"Evaluate over gRPC:      cold {c['evaluate_cold_ms']:.0f} ms, cached {c['evaluate_cached_ms']:.0f} ms, "
                   f"cached and timed {c['evaluate_cached_timed_ms']:.0f} ms")
-            results["throughput"] = bench_throughput(directory, args.quick)
-            t = results["throughput"]
-            for workers, row in sorted(t["by_workers"].items()):
-                print(f"batch, {workers} worker(s):      {row['candidates']} candidates in {row['seconds']:.1f} s "
-                      f"= {row['per_second']:.1f}/s")
-            print(f"throughput scaling:      {t['scaling']:.2f}x with {t['cores']} workers "
-                  f"({t['scaling_efficiency']:.0%} of linear)")
+        if "throughput" in sections:
+            results["throughput"] = {}
+            for offset, (name, checkout) in enumerate(checkouts.items()):
+                t = results["throughput"][name] = bench_throughput(directory, args.quick, checkout,
+                                                                   args.sandbox_uid + 100 * offset)
+                for workers, row in sorted(t["by_workers"].items()):
+                    print(f"{name} batch, {workers} worker(s): {row['candidates']} candidates in {row['seconds']:.1f} s "
+                          f"= {row['per_second']:.2f}/s" + (f" ({len(row['not_passed'])} did not pass)"
+                                                             if row["not_passed"] else ""))
+                print(f"{name} throughput scaling: {t['scaling']:.2f}x with {t['cores']} workers")
+                save(results, out, args.json)
+            if "baseline" in checkouts:
+                cores = available_cores()
+                ratio = (results["throughput"]["current"]["by_workers"][cores]["per_second"]
+                         / results["throughput"]["baseline"]["by_workers"][cores]["per_second"])
+                results["throughput"]["current_over_baseline"] = ratio
+                print(f"throughput against the baseline: {ratio:.2f} (goal >= 0.7)")
+        if "noise" in sections:
+            results["noise"] = {}
+            for offset, (name, checkout) in enumerate(checkouts.items()):
+                results["noise"][name] = noise_conditions(args, directory, checkout,
+                                                          args.sandbox_uid + 100 * (offset + 2))
+                save(results, out, args.json)
         if args.gpu or args.gpu_only:
             results["gpu"] = bench_gpu(directory, args.quick)
             g = results["gpu"]
@@ -268,11 +491,12 @@ def main() -> int:
                       f"cached Evaluate {g['cached_evaluate_ms']:.0f} ms")
                 for task_id, row in sorted(g["per_task"].items()):
                     print(f"  {task_id:14s} {row['stage']:13s} {row['candidate_ms']:9.3f} ms vs {row['reference_ms']:9.3f} ms"
-                          f"  speedup {row['speedup']:.2f}  {' '.join(row['flags'])}")
+                          f"  speedup {row['speedup']:.2f} ({row['speedup_low']:.2f}-{row['speedup_high']:.2f})"
+                          f"  {' '.join(row['flags'])}")
                 for task_id, rows in g["timing_checks"].items():
                     print(f"  {task_id}: " + ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in rows.items()))
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    if "compile" in results:
+    save(results, out, args.json)
+    if "compile" in results and "throughput" in results:
         plot(results, out / "sandbox.png")
     log.warning("benchmark written", out=str(out))
     return 0

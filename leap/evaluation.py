@@ -54,8 +54,9 @@ def pass_at_k_by_turn(groups: Sequence[Sequence[Sequence[Outcome]]], turns: int)
 
 
 def mean_speedup_of_correct(trajectories: Sequence[Sequence[Outcome]]) -> float:
-    """Mean speedup over every correct, timed answer of every turn; 0 when there is none."""
-    speedups = [o.speedup for outcomes in trajectories for o in outcomes if o.correct and o.speedup > 0]
+    """Mean speedup over every correct, timed answer of every turn whose timing the sandbox
+    did not flag; 0 when there is none."""
+    speedups = [o.credited_speedup for outcomes in trajectories for o in outcomes if o.credited_speedup > 0]
     return sum(speedups) / len(speedups) if speedups else 0.0
 
 

@@ -30,6 +30,7 @@ from leap.sandbox.v1 import sandbox_pb2
 
 Stage = common_pb2.Stage
 FinishReason = policy_pb2.FinishReason
+Flag = sandbox_pb2.VerdictFlag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,20 @@ class Outcome:
     correct: bool
     speedup: float = 0.0  # reference time / candidate time; 0 when not correct or not timed
     stage: int = Stage.STAGE_UNSPECIFIED
+    speedup_low: float = 0.0  # the speedup's 95% interval (Verdict.speedup_low/high); 0 when not timed
+    speedup_high: float = 0.0
+    suspicious: bool = False  # a pass the sandbox flagged SUSPICIOUS_SPEEDUP
+    unreliable: bool = False  # ... or TIMING_UNRELIABLE
+
+    @property
+    def flagged(self) -> bool:
+        """Its speed is not to be trusted: no speed credit (see RunConfig.flagged_verdicts)."""
+        return self.suspicious or self.unreliable
+
+    @property
+    def credited_speedup(self) -> float:
+        """The speedup that counts: 0 when not correct, not timed or flagged."""
+        return 0.0 if self.flagged or not self.correct else self.speedup
 
 
 @dataclasses.dataclass
@@ -52,12 +67,20 @@ class Turn:
     end_token_id: int | None  # the token that ended the answer (end of turn); None when cut at max_new_tokens
     weight_version: int
     verdict: sandbox_pb2.Verdict | None = None
+    flagged_as_failure: bool = False  # a flagged pass counts as a failure at CORRECT (RunConfig.flagged_verdicts)
 
     @property
     def outcome(self) -> Outcome:
         verdict = self.verdict or sandbox_pb2.Verdict()
-        correct = verdict.stage == Stage.STAGE_PASSED
-        return Outcome(correct, verdict.speedup if correct else 0.0, verdict.stage)
+        passed = verdict.stage == Stage.STAGE_PASSED
+        suspicious = passed and Flag.VERDICT_FLAG_SUSPICIOUS_SPEEDUP in verdict.flags
+        unreliable = passed and Flag.VERDICT_FLAG_TIMING_UNRELIABLE in verdict.flags
+        if (suspicious or unreliable) and self.flagged_as_failure:
+            return Outcome(False, 0.0, Stage.STAGE_CORRECT, suspicious=suspicious, unreliable=unreliable)
+        if not passed:
+            return Outcome(False, 0.0, verdict.stage)
+        return Outcome(True, verdict.speedup, verdict.stage, verdict.speedup_low, verdict.speedup_high, suspicious,
+                       unreliable)
 
 
 @dataclasses.dataclass
@@ -80,7 +103,8 @@ class Episode:
 
     @property
     def best_speedup(self) -> float:
-        return max((turn.outcome.speedup for turn in self.turns), default=0.0)
+        """The best speedup that counts over its turns (correct, timed, not flagged)."""
+        return max((turn.outcome.credited_speedup for turn in self.turns), default=0.0)
 
     def outcomes(self) -> list[Outcome]:
         return [turn.outcome for turn in self.turns]
@@ -146,7 +170,7 @@ class Rollouts:
 
     def __init__(self, endpoints: Endpoints, tokenizer, *, model: str, toolchain: int,
                  sampling: common_pb2.RolloutSampling, options: sandbox_pb2.EvaluateOptions | None = None,
-                 max_context_tokens: int = 0, patience: Patience = Patience()):
+                 max_context_tokens: int = 0, patience: Patience = Patience(), flagged_as_failure: bool = False):
         self.endpoints = endpoints
         self.tokenizer = tokenizer
         self.model = model
@@ -155,6 +179,7 @@ class Rollouts:
         self.options = options or sandbox_pb2.EvaluateOptions()
         self.max_context_tokens = max_context_tokens  # 0: unknown, no turn is refused for length
         self.patience = patience
+        self.flagged_as_failure = flagged_as_failure  # a pass whose timing the sandbox flagged counts as a failure
         self.generate_clock = BusyClock()
         self.evaluate_clock = BusyClock()
         self.evaluations = 0
@@ -208,7 +233,7 @@ class Rollouts:
         return Turn(prompt_ids=prompt_ids, completion_ids=list(completion.token_ids),
                     sampler_logprobs=list(completion.logprobs), text=completion.text,
                     end_token_id=completion.token_ids[-1] if ended else None,
-                    weight_version=completion.weight_version)
+                    weight_version=completion.weight_version, flagged_as_failure=self.flagged_as_failure)
 
     async def first_turns(self, task: sandbox_pb2.Task, n: int, seed: int) -> list[Episode]:
         """`n` episodes of `task`, each with its first answer judged."""

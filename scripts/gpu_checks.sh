@@ -21,11 +21,11 @@ python=".venv/bin/python"
   echo "== nvcc"; nvcc --version 2>&1
   echo "== torch"; "$python" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.device_count() and torch.cuda.get_device_name(0))' 2>&1
   echo "== sandbox"; "$python" - <<'PY' 2>&1
-from svc_sandbox import toolchains
+from svc_sandbox import compilers
 from svc_sandbox.telemetry import Telemetry
 nvml = Telemetry()
 print("nvml devices:", [(d.index, d.name, d.compute_capability, d.driver_version) for d in nvml.devices], nvml.unavailable_reason)
-nvcc = toolchains.find("nvcc")
+nvcc = compilers.find("nvcc")
 print("nvcc:", nvcc and nvcc.version, "cuda libraries:", nvcc and nvcc.target)
 PY
 } > "$out/environment.txt"

@@ -9,13 +9,16 @@ How a trajectory's outcome is read (`outcome_of`) — the *best artifact* it pro
 - among unsolved, the best stage reached over its turns, not the last turn's: a bolder
   debugging attempt that regresses is not punished below what the trajectory already
   showed, and it is the same reading as for solved ones (the best kernel counts);
-- speed: the best speedup over its passing turns; a turn with no speedup (unset or 0: not
-  timed) is neutral, and a trajectory with none takes no part in the speed tie-break;
+- speed: the best speedup over its passing turns, with its confidence interval when the
+  turn carries one; a turn with no speedup (unset or 0: not timed) or a flagged one (the
+  sandbox found its timing suspicious or unreliable: no speed credit) is neutral, and a
+  trajectory with none takes no part in the speed tie-break;
 - length: the tokens generated over all its turns.
 
 Tournament: i beats j when (1) i is solved at an earlier turn, or solved where j is not, or
 both unsolved and i reached a later stage; else, both solved at the same turn, (2) both have
-a speedup and i's exceeds j's by more than `speedup_margin` (relative); else (3) j generated
+a speedup, i's exceeds j's by more than `speedup_margin` (relative), and where both carry
+intervals they separate (`low_i > high_j`: noise cannot have made the difference); else (3) j generated
 more than `1 + token_margin` times i's tokens. Two unsolved trajectories at the same stage
 tie: the length tie-break is for solved ones only, so a failing model is never taught to
 fail in fewer words. `reward = (wins - losses) / (G - 1)` is the advantage itself.
@@ -51,11 +54,16 @@ class Method(enum.Enum):
 
 class Turn(NamedTuple):
     """One turn of a trajectory: the stage reached, its speedup (None or 0: not timed; only
-    a passing turn's counts) and the tokens the model generated in it."""
+    a passing turn's counts), the tokens the model generated in it, the speedup's interval
+    (None: not known) and whether the sandbox flagged the timing (then the speedup counts as
+    not timed)."""
 
     stage: Stage
     speedup: float | None = None
     tokens: int = 0
+    low: float | None = None
+    high: float | None = None
+    flagged: bool = False
 
 
 class Outcome(NamedTuple):
@@ -66,6 +74,8 @@ class Outcome(NamedTuple):
     speedup: float | None  # best speedup over the passing turns; None when none was timed
     tokens: int  # generated over every turn
     turns: int
+    low: float | None = None  # that speedup's interval, when its turn carried one
+    high: float | None = None
 
     @property
     def key(self) -> int:
@@ -77,7 +87,7 @@ class Outcome(NamedTuple):
 def outcome_of(turns: Sequence[Turn]) -> Outcome:
     solved_turn = None
     best_stage = Stage.FORMAT
-    best_speedup = None
+    best: Turn | None = None
     tokens = 0
     for number, turn in enumerate(turns, start=1):
         tokens += turn.tokens
@@ -85,9 +95,12 @@ def outcome_of(turns: Sequence[Turn]) -> Outcome:
         if turn.stage == Stage.PASSED:
             if solved_turn is None:
                 solved_turn = number
-            if turn.speedup and (best_speedup is None or turn.speedup > best_speedup):
-                best_speedup = turn.speedup
-    return Outcome(solved_turn, best_stage, best_speedup, tokens, len(turns))
+            if turn.speedup and not turn.flagged and (best is None or turn.speedup > best.speedup):
+                best = turn
+    if best is None:
+        return Outcome(solved_turn, best_stage, None, tokens, len(turns))
+    interval = (best.low, best.high) if best.low is not None and best.high is not None else (None, None)
+    return Outcome(solved_turn, best_stage, best.speedup, tokens, len(turns), *interval)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,15 +140,23 @@ def compare(a: Outcome, b: Outcome, speedup_margin: float, token_margin: float) 
 def tie_break(a: Outcome, b: Outcome, speedup_margin: float, token_margin: float) -> int:
     """Keys 2 and 3, for two trajectories solved at the same turn: speed, then length."""
     if a.speedup is not None and b.speedup is not None:
-        if a.speedup > b.speedup * (1 + speedup_margin):
+        if a.speedup > b.speedup * (1 + speedup_margin) and separated(a, b):
             return 1
-        if b.speedup > a.speedup * (1 + speedup_margin):
+        if b.speedup > a.speedup * (1 + speedup_margin) and separated(b, a):
             return -1
     if b.tokens > a.tokens * (1 + token_margin):
         return 1
     if a.tokens > b.tokens * (1 + token_margin):
         return -1
     return 0
+
+
+def separated(faster: Outcome, slower: Outcome) -> bool:
+    """Whether the faster one's speed interval lies above the slower one's (True when either
+    has none: then the margin alone decides)."""
+    if faster.low is None or slower.high is None:
+        return True
+    return faster.low > slower.high
 
 
 @dataclasses.dataclass

@@ -329,6 +329,19 @@ def valid_speedup(speedup: float) -> bool:
     return 0.0 <= speedup < math.inf
 
 
+def speedup_interval(turn: reward_pb2.TurnResult) -> tuple[float, float] | None | bool:
+    """The turn's speedup interval; None when it has none (either end unset, or no speedup);
+    False when it is malformed."""
+    if not (turn.HasField("speedup_low") or turn.HasField("speedup_high")):
+        return None
+    low, high = turn.speedup_low, turn.speedup_high
+    if not (turn.HasField("speedup_low") and turn.HasField("speedup_high")) or not turn.speedup:
+        return None
+    if not (math.isfinite(low) and math.isfinite(high) and 0 <= low <= turn.speedup <= high):
+        return False
+    return low, high
+
+
 def report_stage(stage: int, path: str, violations: Violations) -> None:
     name = common_pb2.Stage.Name(stage) if stage in common_pb2.Stage.values() else str(stage)
     violations.add(path, f"must be a stage from STAGE_FORMAT to STAGE_PASSED, got {name}")
@@ -376,7 +389,8 @@ def rank_groups(request: reward_pb2.RankRequest, max_size: int, max_id_bytes: in
             turns = []
             for k, turn in enumerate(trajectory.turns):
                 stage, speedup, tokens = STAGES.get(turn.stage), turn.speedup, turn.generated_tokens
-                if stage is None or tokens < 0 or not valid_speedup(speedup):
+                interval = speedup_interval(turn)
+                if stage is None or tokens < 0 or not valid_speedup(speedup) or interval is False:
                     where = f"groups[{g}].trajectories[{t}].turns[{k}]"
                     if stage is None:
                         report_stage(turn.stage, f"{where}.stage", violations)
@@ -384,7 +398,13 @@ def rank_groups(request: reward_pb2.RankRequest, max_size: int, max_id_bytes: in
                         report_speedup(speedup, f"{where}.speedup", violations)
                     if tokens < 0:
                         violations.add(f"{where}.generated_tokens", f"must be >= 0, got {tokens}")
-                turns.append(ranking.Turn(stage or Stage.FORMAT, speedup or None, tokens))
+                    if interval is False:
+                        violations.add(f"{where}.speedup_low", "with speedup_high: finite, 0 <= speedup_low <= speedup "
+                                                               f"<= speedup_high, got {turn.speedup_low!r}, "
+                                                               f"{turn.speedup!r}, {turn.speedup_high!r}")
+                low, high = interval if interval else (None, None)
+                turns.append(ranking.Turn(stage or Stage.FORMAT, speedup or None, tokens, low, high,
+                                          turn.speedup_flagged))
             if not turns:
                 violations.add(f"groups[{g}].trajectories[{t}].turns", "at least one turn is required")
             trajectories.append(turns)

@@ -1,11 +1,11 @@
-"""Pure functions of the CORRECT and timing stages: comparing outputs with the oracle,
-timing statistics, the order of timed runs, log trimming and throttle detection."""
+"""Pure functions of the CORRECT stage and of verdicts: comparing outputs with the oracle
+(streaming), comparing inputs, timing statistics, log trimming and throttle detection."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -23,40 +23,108 @@ def sentinel_mask(got: np.ndarray) -> np.ndarray:
     return np.all(raw == SENTINEL_BYTE, axis=1).reshape(got.shape)
 
 
+CHUNK_ELEMENTS = 1 << 20  # outputs are compared this many elements at a time
+
+
 def compare(name: str, trial: int, got: np.ndarray, expected: np.ndarray, atol: float, rtol: float,
-            sentinel: bool = True) -> sandbox_pb2.Mismatch | None:
+            sentinel: bool = True, *, convert: Callable[[np.ndarray], np.ndarray] | None = None,
+            release: Callable[[int, int], None] | None = None,
+            chunk: int = CHUNK_ELEMENTS) -> sandbox_pb2.Mismatch | None:
     """The first departure of `got` from `expected` (|got - expected| <= atol + rtol * |expected|
-    elementwise), or None when every element is within tolerance."""
+    elementwise), or None when every element is within tolerance.
+
+    Streams: `chunk` elements at a time, so the memory it needs beyond the two arrays is a few
+    chunks whatever their size. `convert` turns a chunk of `got` and of `expected` into
+    numbers (bfloat16 held as uint16); `release(start, end)` is called with each chunk's
+    element range once it is done (the service drops those pages of a shared region). An
+    output within tolerance costs one pass; the error statistics of a failure take another."""
     mismatch = sandbox_pb2.Mismatch(output=name, trial=trial, total_elements=int(expected.size))
     if got.shape != expected.shape:
         mismatch.reason = "shape"
         mismatch.bad_elements = int(expected.size)
         return mismatch
-    want = expected.astype(np.float64, copy=False)
-    have = got.astype(np.float64)
-    error = np.abs(have - want)
-    bad = ~(error <= atol + rtol * np.abs(want))  # NaN anywhere is bad
-    bad |= np.isnan(have) != np.isnan(want)
-    bad &= ~(np.isnan(have) & np.isnan(want))
-    if not bad.any():
+    flat_got, flat_want = got.reshape(-1), expected.reshape(-1)
+    bad_count, first, nan_or_inf = 0, -1, False
+    for start, have, want, error in _chunks(flat_got, flat_want, chunk, convert, release):
+        allowed = np.abs(want)
+        allowed *= rtol
+        allowed += atol
+        bad = ~(error <= allowed)  # NaN anywhere is bad ...
+        if not bad.any():
+            continue
+        bad &= ~(np.isnan(have) & np.isnan(want))  # ... except where both are NaN
+        count = int(np.count_nonzero(bad))
+        if not count:
+            continue
+        if first < 0:
+            index = int(np.argmax(bad))
+            first = start + index
+            mismatch.expected, mismatch.got = float(want[index]), float(have[index])
+        bad_count += count
+        wrong = have[bad]
+        nan_or_inf |= bool(np.isnan(wrong).any() or np.isinf(wrong).any())
+    if not bad_count:
         return None
-    finite = np.isfinite(error)
-    mismatch.max_abs_error = float(error[finite].max()) if finite.any() else math.inf
-    rel = error / (np.abs(want) + 1e-12)
-    mismatch.max_rel_error = float(rel[finite].max()) if finite.any() else math.inf
-    flat = bad.reshape(-1)
-    index = int(np.argmax(flat))
-    mismatch.first_bad_index = index
-    mismatch.expected = float(want.reshape(-1)[index])
-    mismatch.got = float(have.reshape(-1)[index])
-    mismatch.bad_elements = int(flat.sum())
-    if sentinel and sentinel_mask(got).any():
+    max_abs = max_rel = -1.0
+    for _, _, want, error in _chunks(flat_got, flat_want, chunk, convert, release):
+        finite = np.isfinite(error)
+        if finite.any():
+            max_abs = max(max_abs, float(error[finite].max()))
+            max_rel = max(max_rel, float((error[finite] / (np.abs(want[finite]) + 1e-12)).max()))
+    mismatch.max_abs_error = max_abs if max_abs >= 0 else math.inf
+    mismatch.max_rel_error = max_rel if max_rel >= 0 else math.inf
+    mismatch.first_bad_index = first
+    mismatch.bad_elements = bad_count
+    if sentinel and _any_sentinel(flat_got, chunk, release):
         mismatch.reason = "output not written"
-    elif np.isnan(have).reshape(-1)[flat].any() or np.isinf(have).reshape(-1)[flat].any():
+    elif nan_or_inf:
         mismatch.reason = "nan"
     else:
         mismatch.reason = "values"
     return mismatch
+
+
+def _chunks(flat_got: np.ndarray, flat_want: np.ndarray, chunk: int, convert: Callable[[np.ndarray], np.ndarray] | None,
+            release: Callable[[int, int], None] | None):
+    """(start, got, expected, |got - expected|) a chunk at a time, as float64."""
+    for start in range(0, flat_got.size, chunk):
+        end = min(start + chunk, flat_got.size)
+        have_raw, want_raw = flat_got[start:end], flat_want[start:end]
+        if convert is not None:
+            have_raw, want_raw = convert(have_raw), convert(want_raw)
+        want = want_raw.astype(np.float64, copy=False)
+        have = have_raw.astype(np.float64)
+        error = np.subtract(have, want)
+        np.abs(error, out=error)
+        yield start, have, want, error
+        if release is not None:
+            release(start, end)
+
+
+def _any_sentinel(flat: np.ndarray, chunk: int, release: Callable[[int, int], None] | None) -> bool:
+    for start in range(0, flat.size, chunk):
+        end = min(start + chunk, flat.size)
+        found = bool(sentinel_mask(flat[start:end]).any())
+        if release is not None:
+            release(start, end)
+        if found:
+            return True
+    return False
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray, *, release: Callable[[int, int], None] | None = None,
+               chunk_bytes: int = CHUNK_ELEMENTS * 4) -> bool:
+    """Whether two byte arrays are equal, compared a chunk at a time."""
+    if a.size != b.size:
+        return False
+    for start in range(0, a.size, chunk_bytes):
+        end = min(start + chunk_bytes, a.size)
+        equal = bool(np.array_equal(a[start:end], b[start:end]))
+        if release is not None:
+            release(start, end)
+        if not equal:
+            return False
+    return True
 
 
 def timing_stats(seconds: Sequence[float]) -> sandbox_pb2.TimingStats:
@@ -66,21 +134,6 @@ def timing_stats(seconds: Sequence[float]) -> sandbox_pb2.TimingStats:
         return sandbox_pb2.TimingStats()
     return sandbox_pb2.TimingStats(median_ms=statistics.median(ms), mean_ms=statistics.fmean(ms), min_ms=min(ms),
                                    max_ms=max(ms), std_ms=statistics.pstdev(ms) if len(ms) > 1 else 0.0, trials=len(ms))
-
-
-def speedup(reference: sandbox_pb2.TimingStats, candidate: sandbox_pb2.TimingStats) -> float:
-    """Reference median over candidate median; 0 when either is missing."""
-    if reference.trials == 0 or candidate.trials == 0 or candidate.median_ms <= 0:
-        return 0.0
-    return reference.median_ms / candidate.median_ms
-
-
-def timing_schedule(trials: int, alternate: bool) -> list[tuple[str, str]]:
-    """Order of the reference and candidate runs in each timed trial: with `alternate`, even
-    trials run the reference first and odd ones the candidate first, so neither always finds
-    the caches and clocks the other one left."""
-    order = ("reference", "candidate")
-    return [order if (not alternate or i % 2 == 0) else order[::-1] for i in range(trials)]
 
 
 def trim_log(text: str, limit: int) -> tuple[str, bool]:

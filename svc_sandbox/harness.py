@@ -1,80 +1,55 @@
-"""What runs inside a candidate's process (forked by the zygote, already contained): load the
-candidate, run the correctness trials, report raw outputs, and time it when told to.
+"""What runs inside the sandbox's child processes (forked by the zygote, already contained).
 
-The harness never judges: outputs, input digests and timings go back to the service, which
-compares them with its own oracle. It reads its inputs from files the service wrote and
-keeps no expected values, so there is nothing in the process for a candidate to copy.
+Two kinds of child:
 
-Timers and synchronization functions are bound when this module is imported (in the
-zygote, before any candidate code exists), so a candidate that rebinds `time.perf_counter`
-or `torch.cuda.Event` changes nothing the harness calls.
+- a *session* child (`session_main`), forked by the zygote's timer (timer.py): the
+  candidate's harness, or the reference process that runs the task's own reference (no
+  candidate code in it). It receives the memfd of its region over its socket, maps it, loads
+  its code, answers READY, then runs one command at a time: run calls on the tensors of slots
+  [first, first + count) and answer one byte. It reads its inputs from the region and writes
+  its outputs there; the service wrote the former and reads the latter itself. It sends no
+  data: nothing it could say is believed, so there is nothing to forge.
+- a *trusted job* (`main`): the CUDA probe, and the KernelBench probe that learns a
+  problem's tensor shapes by running its Model once. These talk in frames (wire.py) and
+  never have candidate code in them.
 
-Buffers of the cpu toolchain end right before an inaccessible page, so writing or reading
-one element past the end (a `<=` loop bound) is a segfault, not a silent corruption. They
-are aligned to 64 bytes when their size is a multiple of 64 bytes.
+The candidate's code is loaded after its region is mapped and after RLIMIT_AS is set to the
+address space in use plus the memory limit, so the limit bounds what the candidate
+allocates, not the inputs it is handed. A failure while loading or running is written to
+the process's log (stderr) and answered with one byte (LOAD_ERROR, COMPILE_ERROR,
+RUN_ERROR, SHAPE_ERROR); the service reads the log as text to show, never as a verdict.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.util
-import mmap
 import os
+import resource
 import socket
 import sys
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 
-from svc_sandbox.checking import SENTINEL_BYTE, timing_schedule
-from svc_sandbox.wire import WireError, recv_frame, send_frame
+from svc_sandbox import shm
+from svc_sandbox.timer import COMPILE_ERROR, DONE, LIMIT_TASKS, LOAD_ERROR, READY, RUN_ERROR, SHAPE_ERROR, STEP
+from svc_sandbox.wire import WireError, send_frame
 
-_now = time.perf_counter  # bound before any candidate code runs
-PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 CUDA_MEMCPY_HOST_TO_DEVICE, CUDA_MEMCPY_DEVICE_TO_HOST = 1, 2
 CUDA_ATTR_L2_CACHE_SIZE = 89
 MIN_FLUSH_BYTES = 64 << 20
+GENERATE, STAGE, GO, FETCH = b"N", b"S", b"G", b"F"
+SENTINEL_BYTE = 0xFF
 
 
-def digest(buffer: memoryview | bytes) -> str:
-    return hashlib.blake2b(buffer, digest_size=16).hexdigest()
+class Failed(Exception):
+    """A failure to report: `answer` is the byte, the message goes to the log."""
 
-
-class GuardedBuffer:
-    """`nbytes` of memory whose last byte is followed by a PROT_NONE page."""
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-        body = max(PAGE, -(-nbytes // PAGE) * PAGE)
-        self.map = mmap.mmap(-1, body + PAGE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        if _libc.mprotect(base + body, PAGE, 0) != 0:
-            raise OSError(ctypes.get_errno(), "mprotect of the guard page failed")
-        self.offset = body - nbytes
-        self.address = base + self.offset
-        self.view = memoryview(self.map)[self.offset:self.offset + nbytes]
-
-    def array(self, dtype: str, shape: Sequence[int]) -> np.ndarray:
-        return np.frombuffer(self.map, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)),
-                             offset=self.offset).reshape(shape)
-
-    def fill(self, byte: int) -> None:
-        ctypes.memset(self.address, byte, self.nbytes)
-
-    def load(self, path: str) -> None:
-        with open(path, "rb", buffering=0) as file:
-            if file.readinto(self.view) != self.nbytes:
-                raise OSError(f"{path} is shorter than {self.nbytes} bytes")
-
-
-def _nbytes(arg: dict[str, Any]) -> int:
-    return int(np.prod(arg["shape"], dtype=np.int64)) * np.dtype(arg["dtype"]).itemsize
+    def __init__(self, answer: bytes, message: str):
+        super().__init__(message)
+        self.answer = answer
 
 
 def _load_module(path: str, name: str):
@@ -85,116 +60,139 @@ def _load_module(path: str, name: str):
     return module
 
 
-def _wait_command(sock: socket.socket) -> str:
+def limit_memory(extra: int) -> None:
+    """RLIMIT_AS = the address space in use now plus `extra`: what is mapped and imported so
+    far (the inputs among it) is not counted against the limit."""
+    if extra <= 0:
+        return
+    with open("/proc/self/statm") as statm:
+        used = int(statm.read().split()[0]) * shm.PAGE
+    resource.setrlimit(resource.RLIMIT_AS, (used + extra, used + extra))
+
+
+def _log(message: str) -> None:
     try:
-        command, _ = recv_frame(sock, max_payload=0)
-    except WireError:
-        return "stop"
-    return str(command.get("op", "stop"))
+        os.write(2, ("\n" + message.rstrip() + "\n").encode(errors="replace"))
+    except OSError:
+        pass
 
 
-def _error(sock: socket.socket, phase: str, message: str) -> int:
-    send_frame(sock, {"event": "error", "phase": phase, "message": message[-8000:]})
-    return 1
+PR_SET_DUMPABLE = 4
 
 
-def _outputs_header(names: Sequence[str], arrays: Sequence[np.ndarray]) -> list[dict[str, Any]]:
-    return [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape), "nbytes": a.nbytes} for n, a in zip(names, arrays)]
+def session_main(sock: socket.socket, spec: dict[str, Any]) -> int:
+    """Entry of a session child: receive the memfds, set up, then answer commands. The
+    trusted reference first makes itself non-dumpable: where it shares the candidate's uid,
+    the candidate cannot trace it or read its memory."""
+    if spec.get("trusted"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    try:
+        _, fds, _, _ = socket.recv_fds(sock, 16, 4)
+    except OSError:
+        return 2
+    try:
+        runner = RUNNERS[spec["kind"]](spec, fds)
+    except Failed as failed:
+        _log(str(failed))
+        sock.send(failed.answer)
+        return 1
+    sock.send(READY)
+    while True:
+        try:
+            data = sock.recv(STEP.size)
+        except OSError:
+            return 2
+        if len(data) != STEP.size:
+            return 0  # the zygote closed the socket: the session is over
+        code, first, count, seed = STEP.unpack(data)
+        try:
+            if code == LIMIT_TASKS:  # no process (nor thread) beyond these while timed: the zygote checks it took
+                resource.setrlimit(resource.RLIMIT_NPROC, (count, count))
+            else:
+                runner.step(code, first, count, seed)
+        except Failed as failed:
+            _log(str(failed))
+            sock.send(failed.answer)
+            return 1
+        except BaseException:  # noqa: BLE001 - the candidate's failure is a verdict
+            _log(traceback.format_exc())
+            sock.send(RUN_ERROR)
+            return 1
+        sock.send(DONE)
 
 
-def _send_payload(sock: socket.socket, header: dict[str, Any], parts: Sequence[memoryview | bytes]) -> None:
-    total = sum(len(p) for p in parts)
-    send_frame(sock, {**header, "payload_bytes": total}, b"".join(parts) if len(parts) != 1 else parts[0])
+def _layout(spec: dict[str, Any]) -> shm.Layout:
+    return shm.Layout.from_dict(spec["layout"])
+
+
+def _index(layout: shm.Layout) -> dict[str, int]:
+    return {t.name: i for i, t in enumerate(layout.tensors)}
 
 
 # --------------------------------------------------------------------------------------
-# cpu: a shared object with a C entry point, called through ctypes on guarded host buffers
+# cpu: a shared object with a C entry point, called through ctypes on guarded buffers
 
 
-def run_cpu(sock: socket.socket, spec: dict[str, Any]) -> int:
-    try:
-        library = ctypes.CDLL(os.path.abspath(spec["library"]), mode=os.RTLD_NOW | os.RTLD_LOCAL)
-        entry = getattr(library, spec["entry"])
-    except (OSError, AttributeError) as err:
-        return _error(sock, "load", f"{type(err).__name__}: {err}")
-    arguments = spec["arguments"]
-    buffers = {a["name"]: GuardedBuffer(_nbytes(a)) for a in arguments if a["role"] != "scalar"}
-    entry.restype = None
-    entry.argtypes = [ctypes.c_int64 if a["role"] == "scalar" else ctypes.c_void_p for a in arguments]
-    call_args = [a["value"] if a["role"] == "scalar" else buffers[a["name"]].address for a in arguments]
-    inputs = [a for a in arguments if a["role"] == "input"]
-    outputs = [a for a in arguments if a["role"] == "output"]
-    sentinel = spec.get("sentinel", True)
-    send_frame(sock, {"event": "ready"})
-    for trial, files in enumerate(spec["trials"]):
-        for arg in inputs:
-            buffers[arg["name"]].load(files[arg["name"]])
-        if sentinel or trial == 0:  # without the sentinel, later trials see the previous trial's outputs
-            for arg in outputs:
-                buffers[arg["name"]].fill(SENTINEL_BYTE if sentinel else 0)
-        start = _now()
-        entry(*call_args)
-        seconds = _now() - start
-        arrays = [buffers[a["name"]].array(a["dtype"], a["shape"]) for a in outputs]
-        _send_payload(sock, {"event": "trial", "trial": trial, "seconds": seconds,
-                             "input_digests": {a["name"]: digest(buffers[a["name"]].view) for a in inputs},
-                             "outputs": _outputs_header([a["name"] for a in outputs], arrays)},
-                      [buffers[a["name"]].view for a in outputs])
-    send_frame(sock, {"event": "trials_done"})
-    timing = spec.get("timing") or {}
-    reference = None
-    if timing.get("reference"):
-        module = _load_module(timing["reference"], "leap_reference")
-        kwargs = {a["name"]: (a["value"] if a["role"] == "scalar" else buffers[a["name"]].array(a["dtype"], a["shape"]))
-                  for a in arguments if a["role"] != "output"}
+class CpuCandidate:
+    def __init__(self, spec: dict[str, Any], fds: list[int]):
+        layout = _layout(spec)
+        self.mapping = shm.GuardedMapping(fds[0], layout)
+        os.close(fds[0])
+        limit_memory(int(spec.get("memory_bytes", 0)))
+        try:
+            library = ctypes.CDLL(os.path.abspath(spec["library"]), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+            self.entry = getattr(library, spec["entry"])
+        except (OSError, AttributeError) as err:
+            raise Failed(LOAD_ERROR, f"{type(err).__name__}: {err}") from None
+        arguments = spec["arguments"]
+        self.entry.restype = None
+        self.entry.argtypes = [ctypes.c_int64 if a["role"] == "scalar" else ctypes.c_void_p for a in arguments]
+        index = _index(layout)
+        self.calls = [[a["value"] if a["role"] == "scalar" else self.mapping.address(slot, index[a["name"]])
+                       for a in arguments] for slot in range(layout.slots)]
 
-        def reference() -> None:
-            module.reference(**kwargs)
-
-    while _wait_command(sock) == "time":
-        for arg in inputs:
-            buffers[arg["name"]].load(spec["trials"][0][arg["name"]])
-
-        def candidate() -> None:
-            entry(*call_args)
-
-        def before_candidate() -> None:
-            if sentinel:
-                for arg in outputs:
-                    buffers[arg["name"]].fill(SENTINEL_BYTE)
-
-        times = _time_host(candidate, reference, before_candidate, timing)
-        arrays = [buffers[a["name"]].array(a["dtype"], a["shape"]) for a in outputs]
-        _send_payload(sock, {"event": "timing", **times, "outputs": _outputs_header([a["name"] for a in outputs], arrays)},
-                      [buffers[a["name"]].view for a in outputs])
-    return 0
+    def step(self, code: bytes, first: int, count: int, seed: int) -> None:
+        if code != GO:
+            raise Failed(RUN_ERROR, f"sandbox: unknown command {code!r}")
+        entry, calls = self.entry, self.calls
+        for slot in range(first, first + count):
+            entry(*calls[slot])
 
 
-def _time_host(candidate: Callable[[], None], reference: Callable[[], None] | None, before_candidate: Callable[[], None],
-               timing: dict[str, Any]) -> dict[str, list[float]]:
-    """Monotonic-clock timing on the host; with a reference, the two alternate (see
-    checking.timing_schedule). Preparation (the sentinel fill) is outside the timed region."""
-    for _ in range(int(timing.get("warmup", 2))):
-        before_candidate()
-        candidate()
-        if reference is not None:
-            reference()
-    times: dict[str, list[float]] = {"candidate": [], "reference": []}
-    for order in timing_schedule(int(timing.get("trials", 10)), bool(timing.get("alternate", True))):
-        for who in order:
-            if who == "reference" and reference is None:
-                continue
-            if who == "candidate":
-                before_candidate()
-            start = _now()
-            (candidate if who == "candidate" else reference)()  # type: ignore[operator]
-            times[who].append(_now() - start)
-    return times
+class NumpyReference:
+    """A built-in task's NumPy reference on the reference region (its outputs are not kept:
+    the service judges against its own float64 oracle)."""
+
+    def __init__(self, spec: dict[str, Any], fds: list[int]):
+        layout = _layout(spec)
+        self.mapping = shm.PlainMapping(fds[0], layout)
+        for fd in fds:
+            os.close(fd)
+        limit_memory(int(spec.get("memory_bytes", 0)))
+        module = _load_module(spec["reference"], "leap_reference")
+        self.reference = module.reference
+        index = _index(layout)
+        self.kwargs = [{a["name"]: (a["value"] if a["role"] == "scalar" else self.mapping.array(slot, index[a["name"]]))
+                        for a in spec["arguments"] if a["role"] != "output"} for slot in range(layout.slots)]
+
+    def step(self, code: bytes, first: int, count: int, seed: int) -> None:
+        if code != GO:
+            return  # nothing to stage or fetch on a CPU
+        reference, kwargs = self.reference, self.kwargs
+        for slot in range(first, first + count):
+            reference(**kwargs[slot])
 
 
 # --------------------------------------------------------------------------------------
 # cuda: a shared object with a C host launcher, called on device buffers through the CUDA
-# runtime it links (loaded first, so both use one runtime and one context)
+# runtime it links (loaded first, so both use one runtime and one context). Inputs and
+# outputs go through host staging buffers in the region: STAGE uploads a batch's inputs (and
+# fills its outputs with the sentinel, and flushes the L2 cache), GO runs it, FETCH downloads
+# its outputs. The zygote clocks all three.
+
+
+class CudaError(RuntimeError):
+    pass
 
 
 class CudaRuntime:
@@ -202,11 +200,12 @@ class CudaRuntime:
         self.lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
         self.lib.cudaGetErrorString.restype = ctypes.c_char_p
         self.lib.cudaGetErrorName.restype = ctypes.c_char_p
-        for name in ("cudaMalloc", "cudaMemcpy", "cudaMemset", "cudaEventRecord", "cudaEventElapsedTime"):
+        for name in ("cudaMalloc", "cudaMemcpy", "cudaMemset", "cudaDeviceSynchronize", "cudaStreamSynchronize",
+                     "cudaGetLastError"):
             getattr(self.lib, name).restype = ctypes.c_int
         self.lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self.lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-        self.lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
 
     def error(self, code: int) -> str:
         return f"{self.lib.cudaGetErrorName(code).decode()}: {self.lib.cudaGetErrorString(code).decode()}"
@@ -224,111 +223,84 @@ class CudaRuntime:
         self.check(self.lib.cudaDeviceSynchronize(), what)
         self.check(self.lib.cudaGetLastError(), what)
 
-    def event(self) -> ctypes.c_void_p:
-        handle = ctypes.c_void_p()
-        self.check(self.lib.cudaEventCreate(ctypes.byref(handle)), "cudaEventCreate")
-        return handle
 
-    def elapsed_seconds(self, start: ctypes.c_void_p, end: ctypes.c_void_p) -> float:
-        ms = ctypes.c_float()
-        self.check(self.lib.cudaEventElapsedTime(ctypes.byref(ms), start, end), "cudaEventElapsedTime")
-        return ms.value / 1e3
+def _flush_bytes(cuda: CudaRuntime, device: int) -> int:
+    l2 = ctypes.c_int()
+    cuda.lib.cudaDeviceGetAttribute(ctypes.byref(l2), CUDA_ATTR_L2_CACHE_SIZE, device)
+    return max(MIN_FLUSH_BYTES, 2 * l2.value)
 
 
-class CudaError(RuntimeError):
-    pass
+class CudaCandidate:
+    def __init__(self, spec: dict[str, Any], fds: list[int]):
+        layout = _layout(spec)
+        self.layout = layout
+        self.mapping = shm.GuardedMapping(fds[0], layout)
+        os.close(fds[0])
+        device = int(spec.get("device", 0))
+        try:
+            self.cuda = cuda = CudaRuntime(spec["cudart"])
+            cuda.check(cuda.lib.cudaSetDevice(device), "cudaSetDevice")
+            library = ctypes.CDLL(os.path.abspath(spec["library"]), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+            self.entry = getattr(library, spec["entry"])
+        except (OSError, AttributeError, CudaError) as err:
+            raise Failed(LOAD_ERROR, f"{type(err).__name__}: {err}") from None
+        self.sentinel = bool(spec.get("sentinel", True))
+        self.device_sync = bool(spec.get("device_sync", True))
+        self.n_inputs = len(layout.inputs)
+        try:
+            self.device = [[cuda.malloc(t.nbytes) for t in layout.tensors] for _ in range(layout.slots)]
+            flush = _flush_bytes(cuda, device) if spec.get("l2_flush", True) else 0
+            self.flush = (cuda.malloc(flush), flush) if flush else None
+        except CudaError as err:
+            raise Failed(RUN_ERROR, str(err)) from None
+        self.entry.restype = None
+        self.entry.argtypes = [ctypes.c_int64 if a["role"] == "scalar" else ctypes.c_void_p for a in spec["arguments"]]
+        index = _index(layout)
+        self.calls = [[a["value"] if a["role"] == "scalar" else self.device[slot][index[a["name"]]]
+                       for a in spec["arguments"]] for slot in range(layout.slots)]
+        self.flushes = 0
 
+    def _copy(self, slot: int, index: int, kind: int) -> None:
+        nbytes = self.layout.tensors[index].nbytes
+        host, device = self.mapping.address(slot, index), self.device[slot][index]
+        dst, src = (device, host) if kind == CUDA_MEMCPY_HOST_TO_DEVICE else (host, device)
+        self.cuda.check(self.cuda.lib.cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy")
 
-def run_cuda(sock: socket.socket, spec: dict[str, Any]) -> int:
-    try:
-        cuda = CudaRuntime(spec["cudart"])
-        cuda.check(cuda.lib.cudaSetDevice(int(spec.get("device", 0))), "cudaSetDevice")
-        library = ctypes.CDLL(os.path.abspath(spec["library"]), mode=os.RTLD_NOW | os.RTLD_LOCAL)
-        entry = getattr(library, spec["entry"])
-    except (OSError, AttributeError, CudaError) as err:
-        return _error(sock, "load", f"{type(err).__name__}: {err}")
-    arguments = spec["arguments"]
-    inputs = [a for a in arguments if a["role"] == "input"]
-    outputs = [a for a in arguments if a["role"] == "output"]
-    sentinel = spec.get("sentinel", True)
-    try:
-        device = {a["name"]: cuda.malloc(_nbytes(a)) for a in arguments if a["role"] != "scalar"}
-    except CudaError as err:
-        return _error(sock, "run", str(err))
-    host = {a["name"]: np.empty(a["shape"], dtype=a["dtype"]) for a in arguments if a["role"] != "scalar"}
-    entry.restype = None
-    entry.argtypes = [ctypes.c_int64 if a["role"] == "scalar" else ctypes.c_void_p for a in arguments]
-    call_args = [a["value"] if a["role"] == "scalar" else device[a["name"]] for a in arguments]
-
-    def upload(files: dict[str, str]) -> None:
-        for arg in inputs:
-            array = host[arg["name"]]
-            array.reshape(-1)[:] = np.fromfile(files[arg["name"]], dtype=arg["dtype"])
-            cuda.check(cuda.lib.cudaMemcpy(device[arg["name"]], array.ctypes.data, array.nbytes,
-                                           CUDA_MEMCPY_HOST_TO_DEVICE), "cudaMemcpy")
-
-    def download(args: list[dict[str, Any]]) -> list[np.ndarray]:
-        for arg in args:
-            array = host[arg["name"]]
-            cuda.check(cuda.lib.cudaMemcpy(array.ctypes.data, device[arg["name"]], array.nbytes,
-                                           CUDA_MEMCPY_DEVICE_TO_HOST), "cudaMemcpy")
-        return [host[a["name"]] for a in args]
-
-    def fill_outputs(byte: int) -> None:
-        for arg in outputs:
-            cuda.check(cuda.lib.cudaMemset(device[arg["name"]], byte, _nbytes(arg)), "cudaMemset")
-
-    send_frame(sock, {"event": "ready"})
-    try:
-        for trial, files in enumerate(spec["trials"]):
-            upload(files)
-            if sentinel or trial == 0:
-                fill_outputs(SENTINEL_BYTE if sentinel else 0)
-            cuda.sync("before the launch")
-            start = _now()
-            entry(*call_args)
-            cuda.sync("the kernel failed")
-            seconds = _now() - start
-            arrays = download(outputs)
-            digests = {a["name"]: digest(memoryview(x).cast("B")) for a, x in zip(inputs, download(inputs))}
-            _send_payload(sock, {"event": "trial", "trial": trial, "seconds": seconds, "input_digests": digests,
-                                 "outputs": _outputs_header([a["name"] for a in outputs], arrays)},
-                          [memoryview(a).cast("B") for a in arrays])
-        send_frame(sock, {"event": "trials_done"})
-        timing = spec.get("timing") or {}
-        flush_bytes = 0
-        if timing.get("l2_flush", True):
-            l2 = ctypes.c_int()
-            cuda.lib.cudaDeviceGetAttribute(ctypes.byref(l2), CUDA_ATTR_L2_CACHE_SIZE, int(spec.get("device", 0)))
-            flush_bytes = max(MIN_FLUSH_BYTES, 2 * l2.value)
-        flush = cuda.malloc(flush_bytes) if flush_bytes else 0
-        start_event, end_event = cuda.event(), cuda.event()
-        while _wait_command(sock) == "time":
-            upload(spec["trials"][0])
-            seconds: list[float] = []
-            for run in range(int(timing.get("warmup", 2)) + int(timing.get("trials", 10))):
-                if flush:
-                    cuda.check(cuda.lib.cudaMemset(flush, run & 0xFF, flush_bytes), "cudaMemset")
-                if sentinel:
-                    fill_outputs(SENTINEL_BYTE)
+    def step(self, code: bytes, first: int, count: int, seed: int) -> None:
+        cuda, slots = self.cuda, range(first, first + count)
+        try:
+            if code == STAGE:
+                for slot in slots:
+                    for index in range(self.n_inputs):
+                        self._copy(slot, index, CUDA_MEMCPY_HOST_TO_DEVICE)
+                    if self.sentinel:
+                        for index in range(self.n_inputs, len(self.layout.tensors)):
+                            cuda.check(cuda.lib.cudaMemset(self.device[slot][index], SENTINEL_BYTE,
+                                                           self.layout.tensors[index].nbytes), "cudaMemset")
+                if self.flush:
+                    self.flushes += 1
+                    cuda.check(cuda.lib.cudaMemset(self.flush[0], self.flushes & 0xFF, self.flush[1]), "cudaMemset")
                 cuda.sync("before the launch")
-                cuda.check(cuda.lib.cudaEventRecord(start_event, None), "cudaEventRecord")
-                entry(*call_args)
-                if timing.get("device_sync", True):  # counts work on every stream, not just the default one
+            elif code == GO:
+                entry, calls = self.entry, self.calls
+                for slot in slots:
+                    entry(*calls[slot])
+                if self.device_sync:  # counts work on every stream, not just the default one
                     cuda.sync("the kernel failed")
-                cuda.check(cuda.lib.cudaEventRecord(end_event, None), "cudaEventRecord")
-                cuda.check(cuda.lib.cudaEventSynchronize(end_event), "cudaEventSynchronize")
-                cuda.check(cuda.lib.cudaGetLastError(), "the kernel failed")
-                if run >= int(timing.get("warmup", 2)):
-                    seconds.append(cuda.elapsed_seconds(start_event, end_event))
-            cuda.sync("the kernel failed")  # whatever the timed region left running, before reading outputs
-            arrays = download(outputs)
-            _send_payload(sock, {"event": "timing", "candidate": seconds, "reference": [],
-                                 "outputs": _outputs_header([a["name"] for a in outputs], arrays)},
-                          [memoryview(a).cast("B") for a in arrays])
-    except CudaError as err:
-        return _error(sock, "run", str(err))
-    return 0
+                else:
+                    cuda.check(cuda.lib.cudaStreamSynchronize(None), "the kernel failed")
+                    cuda.check(cuda.lib.cudaGetLastError(), "the kernel failed")
+            elif code == FETCH:
+                cuda.sync("the kernel failed")  # side-stream work not timed (DEVICE_SYNC off) lands first
+                for slot in slots:
+                    for index in range(self.n_inputs, len(self.layout.tensors)):
+                        self._copy(slot, index, CUDA_MEMCPY_DEVICE_TO_HOST)
+                    for index in range(self.n_inputs):  # the device inputs, for the mutation check
+                        self._copy(slot, index, CUDA_MEMCPY_DEVICE_TO_HOST)
+            else:
+                raise Failed(RUN_ERROR, f"sandbox: unknown command {code!r}")
+        except CudaError as err:
+            raise Failed(RUN_ERROR, str(err)) from None
 
 
 def run_cuda_probe(sock: socket.socket, spec: dict[str, Any]) -> int:
@@ -347,157 +319,304 @@ def run_cuda_probe(sock: socket.socket, spec: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------------------
 # PyTorch: the GPU baseline of built-in tasks, and KernelBench modules (Model or ModelNew)
 
+TORCH_DTYPES = {"<f4": "float32", "<f8": "float64", "<f2": "float16", shm.BFLOAT16: "bfloat16", "<i8": "int64",
+                "<i4": "int32", "<i2": "int16", "|i1": "int8", "|u1": "uint8", "|b1": "bool"}
 
-class TorchTimer:
-    """CUDA events with a device synchronize inside the timed region and an L2 flush
-    between runs on a GPU; the monotonic clock on a CPU. Bound before candidate code loads."""
 
-    def __init__(self, torch: Any, device: str, timing: dict[str, Any]):
-        self.torch = torch
-        self.cuda = device.startswith("cuda")
-        self.timing = timing
-        if self.cuda:
-            self.event = torch.cuda.Event
-            self.elapsed = torch.cuda.Event.elapsed_time
-            self.record = torch.cuda.Event.record
-            self.sync = torch.cuda.synchronize
-            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
-            size = max(MIN_FLUSH_BYTES, 2 * l2) if timing.get("l2_flush", True) else 0
-            self.flush = torch.empty(size, dtype=torch.uint8, device=device) if size else None
+def torch_dtype(torch: Any, dtype: str) -> Any:
+    return getattr(torch, TORCH_DTYPES[dtype])
 
-    def time(self, run: Callable[[], Any]) -> list[float]:
-        warmup, trials = int(self.timing.get("warmup", 2)), int(self.timing.get("trials", 10))
-        seconds = []
-        for index in range(warmup + trials):
-            if self.cuda:
-                if self.flush is not None:
-                    self.flush.fill_(index & 0xFF)
-                self.sync()
-                start, end = self.event(enable_timing=True), self.event(enable_timing=True)
-                self.record(start)
-                run()
-                if self.timing.get("device_sync", True):
-                    self.sync()
-                self.record(end)
-                end.synchronize()
-                took = self.elapsed(start, end) / 1e3
+
+def dtype_name(torch: Any, dtype: Any) -> str | None:
+    """The layout's dtype string of a torch dtype (None when unsupported)."""
+    for name, torch_name in TORCH_DTYPES.items():
+        if getattr(torch, torch_name) == dtype:
+            return name
+    return None
+
+
+def _host_tensors(torch: Any, mapping: shm.GuardedMapping | shm.PlainMapping, layout: shm.Layout,
+                  indexes: Sequence[int]) -> list[list[Any]]:
+    """Torch tensors over the region's buffers, per slot."""
+    rows = []
+    for slot in range(layout.slots):
+        row = []
+        for index in indexes:
+            tensor = layout.tensors[index]
+            if isinstance(mapping, shm.GuardedMapping):
+                buffer: Any = mapping.buffer(slot, index)
             else:
-                start_time = _now()
-                run()
-                took = _now() - start_time
-            if index >= warmup:
-                seconds.append(took)
-        return seconds
+                buffer = memoryview(mapping.map)[layout.offset(slot, index):layout.offset(slot, index) + tensor.nbytes]
+            dtype = torch_dtype(torch, tensor.dtype)
+            row.append(torch.frombuffer(buffer, dtype=dtype).view(tensor.shape) if tensor.nbytes else
+                       torch.empty(tensor.shape, dtype=dtype))
+        rows.append(row)
+    return rows
 
 
-def _torch_outputs(torch: Any, result: Any) -> tuple[list[str], list[np.ndarray]]:
+class _L2Flush:
+    def __init__(self, torch: Any, device: str, enabled: bool):
+        self.buffer = None
+        self.count = 0
+        if enabled and device.startswith("cuda"):
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+            self.buffer = torch.empty(max(MIN_FLUSH_BYTES, 2 * l2), dtype=torch.uint8, device=device)
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.count += 1
+            self.buffer.fill_(self.count & 0xFF)
+
+
+def _outputs(torch: Any, result: Any) -> list[Any]:
     values = list(result) if isinstance(result, (tuple, list)) else [result]
-    arrays = []
-    for value in values:
-        if not isinstance(value, torch.Tensor):
-            value = torch.as_tensor(value)
-        value = value.detach()
-        if value.dtype in (torch.bfloat16, torch.float16):
-            value = value.float()
-        arrays.append(np.ascontiguousarray(value.cpu().numpy()))
-    return [f"output{i}" for i in range(len(arrays))], arrays
+    return [(v if isinstance(v, torch.Tensor) else torch.as_tensor(v)).detach() for v in values]
 
 
-def _tensor_digests(torch: Any, values: Sequence[Any]) -> dict[str, str]:
-    return {f"input{i}": digest(np.ascontiguousarray(v.detach().cpu().numpy()).tobytes())
-            for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
+class TorchReference:
+    """A built-in task's PyTorch baseline on the device (the reference of the cuda toolchain)."""
+
+    def __init__(self, spec: dict[str, Any], fds: list[int]):
+        import torch
+
+        self.torch = torch
+        layout = _layout(spec)
+        self.mapping = shm.PlainMapping(fds[0], layout)
+        for fd in fds:
+            os.close(fd)
+        self.device = spec["device"]
+        torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+        module = _load_module(spec["reference"], "leap_reference")
+        self.reference = module.torch_reference
+        host = _host_tensors(torch, self.mapping, layout, range(len(layout.inputs)))
+        self.staged = [[(name, h, torch.empty_like(h, device=self.device)) for name, h in
+                        zip((t.name for t in layout.inputs), row)] for row in host]
+        scalars = {a["name"]: a["value"] for a in spec["arguments"] if a["role"] == "scalar"}
+        self.kwargs = [{**scalars, **{name: d for name, _, d in row}} for row in self.staged]
+        self.flush = _L2Flush(torch, self.device, bool(spec.get("l2_flush", True)))
+        self.device_sync = bool(spec.get("device_sync", True))
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize(self.device)
+
+    def step(self, code: bytes, first: int, count: int, seed: int) -> None:
+        slots = range(first, first + count)
+        if code == STAGE:
+            for slot in slots:
+                for _, host, device in self.staged[slot]:
+                    device.copy_(host)
+            self.flush()
+            self._sync()
+        elif code == GO:
+            reference, kwargs = self.reference, self.kwargs
+            for slot in slots:
+                reference(**kwargs[slot])
+            self._sync()
+        # FETCH: nothing to bring back (the service judges against its own oracle)
 
 
-def run_torch_reference(sock: socket.socket, spec: dict[str, Any]) -> int:
-    """Time a built-in task's PyTorch baseline on the device."""
-    import torch
-
-    device = spec["device"]
-    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
-    module = _load_module(spec["reference"], "leap_reference")
-    kwargs = {}
-    for arg in spec["arguments"]:
-        if arg["role"] == "scalar":
-            kwargs[arg["name"]] = arg["value"]
-        elif arg["role"] == "input":
-            array = np.fromfile(spec["inputs"][arg["name"]], dtype=arg["dtype"]).reshape(arg["shape"])
-            kwargs[arg["name"]] = torch.from_numpy(array).to(device)
-    timer = TorchTimer(torch, device, spec.get("timing") or {})
-    seconds = timer.time(lambda: module.torch_reference(**kwargs))
-    send_frame(sock, {"event": "timing", "candidate": [], "reference": seconds})
-    return 0
+def _kernelbench_model(torch: Any, problem: Any, factory: Callable[..., Any], seed: int, device: str) -> Any:
+    torch.manual_seed(seed)
+    model = factory(*problem.get_init_inputs())
+    if hasattr(model, "to"):
+        model = model.to(device)
+    if hasattr(model, "eval"):
+        model.eval()
+    return model
 
 
-def run_kernelbench(sock: socket.socket, spec: dict[str, Any]) -> int:
-    """A KernelBench module: the problem's Model (reference job) or the candidate's ModelNew."""
-    import torch
+class _KernelbenchBase:
+    """What the KernelBench candidate and reference share: the problem, the layout, inputs
+    as tensors over the region (constants where get_inputs() gives a non-tensor)."""
 
-    device = spec["device"]
-    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
-    timer_settings = spec.get("timing") or {}
-    try:
-        problem = _load_module(spec["problem"], "kernelbench_problem")
-        init_inputs = problem.get_init_inputs()
-        timer = TorchTimer(torch, device, timer_settings)
-        if spec.get("candidate"):
+    def __init__(self, spec: dict[str, Any]):
+        import torch
+
+        self.torch = torch
+        self.layout = _layout(spec)
+        self.device = spec["device"]
+        self.cuda = self.device.startswith("cuda")
+        self.device_sync = bool(spec.get("device_sync", True))
+        self.inputs = spec["inputs"]  # per get_inputs() position: {"tensor": layout index} or {"value": constant}
+        torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+        self.problem = _load_module(spec["problem"], "kernelbench_problem")
+        self.flush = _L2Flush(torch, self.device, bool(spec.get("l2_flush", True)))
+        self.n_inputs = len(self.layout.inputs)
+
+    def _arguments(self, tensors: Sequence[Any]) -> list[Any]:
+        return [tensors[item["tensor"]] if "tensor" in item else item["value"] for item in self.inputs]
+
+    def _sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def _store(self, result: Any, outputs: Sequence[Any]) -> list[Any]:
+        """The call's result as output tensors of the right number and shapes."""
+        values = _outputs(self.torch, result)
+        wanted = self.layout.outputs
+        if len(values) != len(wanted):
+            raise Failed(SHAPE_ERROR, f"sandbox: {len(values)} outputs returned, the reference returns {len(wanted)}")
+        for number, (value, tensor) in enumerate(zip(values, wanted)):
+            if tuple(value.shape) != tensor.shape:
+                raise Failed(SHAPE_ERROR, f"sandbox: output {number} has shape {tuple(value.shape)}, the reference's "
+                                          f"is {tensor.shape}")
+        for value, out in zip(values, outputs):
+            out.copy_(value)
+        return values
+
+
+class KernelbenchCandidate(_KernelbenchBase):
+    def __init__(self, spec: dict[str, Any], fds: list[int]):
+        super().__init__(spec)
+        torch = self.torch
+        self.mapping = shm.GuardedMapping(fds[0], self.layout)
+        os.close(fds[0])
+        self.host = _host_tensors(torch, self.mapping, self.layout, range(len(self.layout.tensors)))
+        if not self.cuda:
+            limit_memory(int(spec.get("memory_bytes", 0)))
+        try:
             sys.path.insert(0, os.getcwd())
             module = _load_module(spec["candidate"], "kernelbench_candidate")
-            factory = module.ModelNew
-        else:
-            factory = problem.Model
-        torch.manual_seed(int(spec.get("seed", 0)))
-        model = factory(*init_inputs)
-        if hasattr(model, "to"):
-            model = model.to(device)
-        if hasattr(model, "eval"):
-            model.eval()
-    except BaseException:  # noqa: BLE001 - the candidate's failure to build is a verdict
-        return _error(sock, "compile", traceback.format_exc())
-    send_frame(sock, {"event": "compiled"})
-    try:
-        for trial, seed in enumerate(spec["trial_seeds"]):
-            torch.manual_seed(int(seed))
-            inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in problem.get_inputs()]
-            before = _tensor_digests(torch, inputs)
-            start = _now()
+            self.model = _kernelbench_model(torch, self.problem, module.ModelNew, int(spec.get("model_seed", 0)),
+                                            self.device)
+        except BaseException:  # noqa: BLE001 - the candidate's failure to build is a verdict
+            raise Failed(COMPILE_ERROR, traceback.format_exc()) from None
+        if self.cuda:
+            self.staged = [[torch.empty_like(t, device=self.device) for t in row[:self.n_inputs]] for row in self.host]
+            self.results: list[list[Any] | None] = [None] * self.layout.slots
+
+    def step(self, code: bytes, first: int, count: int, seed: int) -> None:
+        torch, slots = self.torch, range(first, first + count)
+        if code == STAGE and self.cuda:
+            for slot in slots:
+                for device, host in zip(self.staged[slot], self.host[slot]):
+                    device.copy_(host)
+            self.flush()
+            self._sync()
+        elif code == GO:
             with torch.no_grad():
-                result = model(*inputs)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            seconds = _now() - start
-            names, arrays = _torch_outputs(torch, result)
-            _send_payload(sock, {"event": "trial", "trial": trial, "seconds": seconds, "input_digests_before": before,
-                                 "input_digests": _tensor_digests(torch, inputs),
-                                 "outputs": _outputs_header(names, arrays)}, [a.tobytes() for a in arrays])
-        send_frame(sock, {"event": "trials_done"})
-        while _wait_command(sock) == "time":
-            torch.manual_seed(int(spec["trial_seeds"][0]))
-            inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in problem.get_inputs()]
-            results: list[Any] = []
+                for slot in slots:
+                    if self.cuda:
+                        result = self.model(*self._arguments(self.staged[slot]))
+                        self.results[slot] = _outputs(torch, result)
+                    else:
+                        result = self.model(*self._arguments(self.host[slot][:self.n_inputs]))
+                        self._store(result, self.host[slot][self.n_inputs:])
+            if self.device_sync:
+                self._sync()
+        elif code == FETCH and self.cuda:
+            self._sync()
+            for slot in slots:
+                self._store(self.results[slot], self.host[slot][self.n_inputs:])
+                for device, host in zip(self.staged[slot], self.host[slot]):  # for the mutation check
+                    host.copy_(device)
+            self._sync()
 
-            def run(inputs: list[Any] = inputs, results: list[Any] = results) -> None:
-                with torch.no_grad():
-                    results[:] = [model(*inputs)]
 
-            seconds_list = timer.time(run)
-            names, arrays = _torch_outputs(torch, results[0])
-            key = "candidate" if spec.get("candidate") else "reference"
-            _send_payload(sock, {"event": "timing", "candidate": [], "reference": [], key: seconds_list,
-                                 "outputs": _outputs_header(names, arrays)}, [a.tobytes() for a in arrays])
-    except BaseException:  # noqa: BLE001
-        return _error(sock, "run", traceback.format_exc())
+class KernelbenchReference(_KernelbenchBase):
+    """The problem's own Model. GENERATE makes a batch's inputs from get_inputs() with the
+    service's seeds and writes them into both regions (its own copy stays pristine: the
+    Model runs on private tensors, and the candidate cannot map this region)."""
+
+    def __init__(self, spec: dict[str, Any], fds: list[int]):
+        super().__init__(spec)
+        torch = self.torch
+        self.mapping = shm.PlainMapping(fds[0], self.layout)
+        self.candidate = shm.PlainMapping(fds[1], self.layout)
+        for fd in fds:
+            os.close(fd)
+        self.host = _host_tensors(torch, self.mapping, self.layout, range(len(self.layout.tensors)))
+        self.candidate_inputs = _host_tensors(torch, self.candidate, self.layout, range(self.n_inputs))
+        self.model = _kernelbench_model(torch, self.problem, self.problem.Model, int(spec.get("model_seed", 0)),
+                                        self.device)
+        self.private: list[list[Any] | None] = [None] * self.layout.slots
+        self.results: list[list[Any] | None] = [None] * self.layout.slots
+
+    def step(self, code: bytes, first: int, count: int, seed: int) -> None:
+        torch, slots = self.torch, range(first, first + count)
+        if code == GENERATE:
+            for slot in slots:
+                torch.manual_seed((seed + slot - first) & ((1 << 63) - 1))
+                made = [x for x in self.problem.get_inputs() if isinstance(x, torch.Tensor)]
+                if len(made) != self.n_inputs:
+                    raise Failed(RUN_ERROR, "sandbox: get_inputs() changed how many tensors it returns")
+                for value, own, theirs, tensor in zip(made, self.host[slot], self.candidate_inputs[slot],
+                                                      self.layout.inputs):
+                    if tuple(value.shape) != tensor.shape:
+                        raise Failed(RUN_ERROR, f"sandbox: get_inputs() changed a shape to {tuple(value.shape)}")
+                    own.copy_(value)
+                    theirs.copy_(value)
+                self.private[slot] = [x.to(self.device) for x in made]
+        elif code == STAGE:
+            self.flush()
+            self._sync()
+        elif code == GO:
+            with torch.no_grad():
+                for slot in slots:
+                    result = self.model(*self._arguments(self.private[slot]))
+                    if self.cuda:
+                        self.results[slot] = _outputs(torch, result)
+                    else:
+                        self._store(result, self.host[slot][self.n_inputs:])
+            self._sync()
+        elif code == FETCH and self.cuda:
+            self._sync()
+            for slot in slots:
+                self._store(self.results[slot], self.host[slot][self.n_inputs:])
+            self._sync()
+
+
+def run_kernelbench_probe(sock: socket.socket, spec: dict[str, Any]) -> int:
+    """Run a problem's Model once (no candidate code here): the dtypes and shapes of its
+    inputs and outputs, which size every later session's region."""
+    import torch
+
+    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+    try:
+        problem = _load_module(spec["problem"], "kernelbench_problem")
+        device = spec["device"]
+        model = _kernelbench_model(torch, problem, problem.Model, int(spec.get("model_seed", 0)), device)
+        torch.manual_seed(int(spec.get("seed", 0)))
+        made = list(problem.get_inputs())
+        inputs, tensors = [], []
+        for position, value in enumerate(made):
+            if isinstance(value, torch.Tensor):
+                name = dtype_name(torch, value.dtype)
+                if name is None:
+                    raise TypeError(f"input {position} has dtype {value.dtype}, which the sandbox does not support")
+                inputs.append({"tensor": len(tensors)})
+                tensors.append({"name": f"input{len(tensors)}", "dtype": name, "shape": list(value.shape)})
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                inputs.append({"value": value})
+            else:
+                raise TypeError(f"get_inputs() item {position} is a {type(value).__name__}; tensors and numbers only")
+        with torch.no_grad():
+            result = _outputs(torch, model(*[x.to(device) if isinstance(x, torch.Tensor) else x for x in made]))
+        outputs = []
+        for number, value in enumerate(result):
+            name = dtype_name(torch, value.dtype)
+            if name is None:
+                raise TypeError(f"output {number} has dtype {value.dtype}, which the sandbox does not support")
+            outputs.append({"name": f"output{number}", "dtype": name, "shape": list(value.shape)})
+    except BaseException:  # noqa: BLE001 - reported to the service
+        send_frame(sock, {"event": "error", "message": traceback.format_exc()[-8000:]})
+        return 1
+    send_frame(sock, {"event": "probe", "inputs": inputs, "input_tensors": tensors, "output_tensors": outputs})
     return 0
 
 
-JOBS = {"cpu": run_cpu, "cuda": run_cuda, "cuda_probe": run_cuda_probe, "torch_reference": run_torch_reference,
-        "kernelbench": run_kernelbench}
+RUNNERS: dict[str, Callable[[dict[str, Any], list[int]], Any]] = {
+    "cpu": CpuCandidate, "cuda": CudaCandidate, "kernelbench": KernelbenchCandidate,
+    "numpy_reference": NumpyReference, "torch_reference": TorchReference, "kernelbench_reference": KernelbenchReference,
+}
+JOBS = {"cuda_probe": run_cuda_probe, "kernelbench_probe": run_kernelbench_probe}
 
 
 def main(sock: socket.socket, spec: dict[str, Any]) -> int:
-    """Entry of a run child (called by the zygote after it contained the process)."""
-    if spec.get("threads"):
-        os.environ["OMP_NUM_THREADS"] = str(spec["threads"])  # read by libgomp when the candidate loads it
+    """Entry of a trusted job (called by the zygote after it contained the process)."""
     try:
         return JOBS[spec["kind"]](sock, spec)
     except (WireError, BrokenPipeError, ConnectionResetError):
-        return 2  # the service hung up (a deadline, a mismatch, a cancellation): nothing to report to
+        return 2
+

@@ -380,6 +380,11 @@ def zygote_main(ctl_fd: int) -> None:
             continue
         if op == "kill":  # for a job that already ended: nothing to do
             continue
+        if op == "session":  # a measured session: timer.py forks its processes and keeps the clock
+            from svc_sandbox import timer
+
+            timer.serve(ctl, message, fds, identity, syscall_filter, harness)
+            continue
         if op not in ("exec", "run"):
             send_packet(ctl, {"error": f"unknown op {op!r}"})
             continue
@@ -647,6 +652,36 @@ class Zygote:
         finally:
             if handle.failure is None:
                 handle.finish()
+
+    @contextlib.contextmanager
+    def session(self, candidate: dict[str, Any], reference: dict[str, Any] | None, memfds: list[int]):
+        """Start a measured session (timer.py): the candidate's harness and, when given, a
+        reference process, each a job like `run`'s ({"spec", "cwd", "env", "limits", "log",
+        "drop_privileges": the reference keeps the zygote's own user where it can}), with the
+        memfds of their regions (the candidate's first). Yields the timer.SessionLink that
+        commands it; the session is ended on the way out."""
+        from svc_sandbox.timer import SessionLink
+
+        self.ensure()
+        assert self.ctl is not None
+        try:
+            with self._lock:  # as in _submit: a cancel comes before (nothing starts) or after
+                if self._cancelled:
+                    raise JobCancelled(f"sandbox worker {self.slot}: the job was cancelled")
+                send_packet(self.ctl, {"op": "session", "candidate": candidate, "reference": reference}, memfds)
+            reply, _ = recv_packet(self.ctl, timeout=60)
+        except WireError as err:
+            self.close()
+            raise SandboxUnavailable(f"sandbox worker {self.slot} failed: {err}") from None
+        if "setup_error" in reply:
+            raise SandboxUnavailable(f"sandbox worker {self.slot} could not set the session up: {reply['setup_error']}")
+        if "pids" not in reply:
+            raise SandboxUnavailable(f"sandbox worker {self.slot}: {reply.get('error', reply)}")
+        link = SessionLink(self, reply["pids"])
+        try:
+            yield link
+        finally:
+            link.end()
 
     def close(self, final: bool = False) -> None:
         """Stop the zygote and everything in its sandbox (its pid namespace ends with it).

@@ -1,8 +1,11 @@
-"""Reference data, computed once and reused: each correctness trial's inputs (written to
-files the candidate processes read) with their digests and the oracle's outputs, per task,
-size, seed and trial; and reference timings per task, size, toolchain and device.
+"""Reference data the service computes and keeps (this process only; a candidate never sees
+what is here):
 
-Expected outputs stay in this (trusted) process only; candidates never see them.
+- each correctness trial's inputs and the oracle's outputs, per task, size, seed and trial
+  (reproducible: the same request gets the same inputs);
+- a small pool of input sets per task and size, drawn from seeds the service chose at random
+  when it started, from which every timed call's inputs are made (`scramble_into`);
+- what a KernelBench problem's tensors look like (its probe), per problem and device.
 """
 
 from __future__ import annotations
@@ -10,54 +13,60 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import os
 import threading
-from collections.abc import Callable, Hashable
-from pathlib import Path
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
-from leap.tasks import TaskSpec
+from leap import tasks
 from leap.sandbox.v1 import sandbox_pb2
+
+POOL_SETS = 4
+Role = sandbox_pb2.ArgumentRole
+MANTISSA_BITS = {2: 10, 4: 23, 8: 52}  # float16, float32, float64
+UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @dataclasses.dataclass(frozen=True)
 class TrialData:
-    files: dict[str, str]  # input name -> file of its raw bytes (C order)
-    digests: dict[str, str]  # input name -> blake2b digest of those bytes
+    inputs: dict[str, np.ndarray]  # input name -> array (C order)
     expected: dict[str, np.ndarray]  # output name -> oracle values
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.expected.values())
+        return sum(a.nbytes for a in self.inputs.values()) + sum(a.nbytes for a in self.expected.values())
 
 
-@dataclasses.dataclass(frozen=True)
-class RecordedTrials:
-    """Trials whose expected outputs a reference job produced (KernelBench)."""
-
-    trials: list[TrialData]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.trials)
+def mantissa_key(dtype: np.dtype, rng: np.random.Generator) -> int:
+    """A random nonzero mask over the mantissa bits of a float dtype."""
+    bits = MANTISSA_BITS[np.dtype(dtype).itemsize]
+    return int(rng.integers(1, 1 << bits, dtype=np.uint64))
 
 
-def input_digest(array: np.ndarray) -> str:
-    return hashlib.blake2b(np.ascontiguousarray(array).data, digest_size=16).hexdigest()
+def scramble_into(source: np.ndarray, out: np.ndarray, key: int) -> None:
+    """out = source with every element's mantissa XOR-ed with `key` (floats): the sign and the
+    binade of every value are kept (so is a task's value range: uniform [0, 1) stays in it),
+    every element changes, and no output for `source` helps compute the output for `out`
+    (the bits are mixed, not the values shifted or scaled, so no algebra of the op relates
+    them). Integer inputs are copied (the caller draws them fresh)."""
+    source = np.ascontiguousarray(source).reshape(-1)
+    if source.dtype.kind != "f":
+        np.copyto(out.reshape(-1).view(source.dtype), source)
+        return
+    unsigned = UNSIGNED[source.dtype.itemsize]
+    np.bitwise_xor(source.view(unsigned), unsigned(key), out=out.reshape(-1).view(unsigned))
 
 
 class ReferenceStore:
-    def __init__(self, directory: str | os.PathLike, max_bytes: int):
-        self.root = Path(directory)
-        self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o755)
+    def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._trials: collections.OrderedDict[Hashable, TrialData | RecordedTrials] = collections.OrderedDict()
+        self.secret = int.from_bytes(os.urandom(8), "little")  # the timed inputs' pool seeds: unknown outside
+        self._trials: collections.OrderedDict[Hashable, TrialData] = collections.OrderedDict()
+        self._pools: dict[Hashable, list[dict[str, np.ndarray]]] = {}
+        self._probes: dict[Hashable, dict[str, Any]] = {}
         self._bytes = 0
-        self._timings: dict[Hashable, sandbox_pb2.TimingStats] = {}
         self._lock = threading.Lock()
         self._key_locks: dict[Hashable, threading.Lock] = collections.defaultdict(threading.Lock)
 
@@ -68,91 +77,69 @@ class ReferenceStore:
         with lock:
             yield
 
-    def _get(self, key: Hashable) -> Any:
+    def _cached(self, table: dict, key: Hashable, compute: Callable[[], Any], remember: Callable[[Any], bool]) -> Any:
+        with self._lock:
+            if key in table:
+                return table[key]
+        with self._computing((id(table), key)):
+            with self._lock:
+                if key in table:
+                    return table[key]
+            value = compute()
+            if remember(value):
+                with self._lock:
+                    table[key] = value
+            return value
+
+    def trial(self, spec: tasks.TaskSpec, size: str, sizes: dict[str, int], seed: int, trial: int) -> TrialData:
+        """Inputs and expected outputs of a built-in task's correctness trial."""
+        key = ("builtin", spec.task.id, size, seed, trial)
         with self._lock:
             found = self._trials.get(key)
             if found is not None:
                 self._trials.move_to_end(key)
-            return found
-
-    def _put(self, key: Hashable, data: TrialData | RecordedTrials) -> None:
-        with self._lock:
-            if key not in self._trials:
+                return found
+        with self._computing(key):
+            with self._lock:
+                if key in self._trials:
+                    return self._trials[key]
+            inputs = spec.inputs(sizes, seed, trial)
+            data = TrialData(inputs, spec.expected(inputs, sizes))
+            with self._lock:
                 self._trials[key] = data
                 self._bytes += data.nbytes
-            while self._bytes > self.max_bytes and len(self._trials) > 1:
-                _, old = self._trials.popitem(last=False)
-                self._bytes -= old.nbytes
-
-    def _folder(self, *parts: object) -> Path:
-        folder = self.root.joinpath(*(str(p) for p in parts))
-        if not folder.is_dir():
-            folder.mkdir(parents=True, exist_ok=True)
-            for parent in [folder, *folder.parents]:
-                if parent == self.root:
-                    break
-                os.chmod(parent, 0o755)
-        return folder
-
-    def _write(self, path: Path, array: np.ndarray) -> None:
-        if path.exists() and path.stat().st_size == array.nbytes:
-            return
-        temporary = path.with_name(f".{path.name}.{threading.get_ident()}")
-        with open(temporary, "wb") as file:
-            file.write(np.ascontiguousarray(array).data)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-
-    def trial(self, spec: TaskSpec, size: str, sizes: dict[str, int], seed: int, trial: int) -> TrialData:
-        """Inputs and expected outputs of a built-in task's correctness trial."""
-        key = ("builtin", spec.task.id, size, seed, trial)
-        found = self._get(key)
-        if found is not None:
-            return found
-        with self._computing(key):
-            found = self._get(key)
-            if found is not None:
-                return found
-            inputs = spec.inputs(sizes, seed, trial)
-            folder = self._folder(spec.task.id, size, seed, trial)
-            files = {}
-            for name, array in inputs.items():
-                path = folder / f"{name}.bin"
-                self._write(path, array)
-                files[name] = str(path)
-            data = TrialData(files, {k: input_digest(v) for k, v in inputs.items()}, spec.expected(inputs, sizes))
-            self._put(key, data)
+                while self._bytes > self.max_bytes and len(self._trials) > 1:
+                    _, old = self._trials.popitem(last=False)
+                    self._bytes -= old.nbytes
             return data
 
-    def recorded(self, key: Hashable, compute: Callable[[], list[TrialData]]) -> list[TrialData]:
-        """Trials whose expected outputs come from a reference job (KernelBench), computed by
-        `compute` once per key."""
-        found = self._get(key)
-        if found is None:
-            with self._computing(key):
-                found = self._get(key)
-                if found is None:
-                    found = RecordedTrials(compute())
-                    if not found.trials:  # a failed reference run is reported, not remembered
-                        return []
-                    self._put(key, found)
-        return found.trials
+    def pool(self, spec: tasks.TaskSpec, size: str, sizes: dict[str, int]) -> list[dict[str, np.ndarray]]:
+        """POOL_SETS input sets of a built-in task, from seeds only this process knows."""
+        return self._cached(self._pools, (spec.task.id, size),
+                            lambda: [spec.inputs(sizes, self.secret, -1 - i) for i in range(POOL_SETS)], lambda _: True)
 
-    def timing(self, key: Hashable, measure: Callable[[], sandbox_pb2.TimingStats | None]) -> sandbox_pb2.TimingStats | None:
-        """A reference timing, measured by `measure` once per key (task, size, toolchain, device)."""
-        with self._lock:
-            if key in self._timings:
-                return self._timings[key]
-        with self._computing(("timing", key)):
-            with self._lock:
-                if key in self._timings:
-                    return self._timings[key]
-            stats = measure()
-            if stats is not None and stats.trials:
-                with self._lock:
-                    self._timings[key] = stats
-            return stats
+    def probe(self, key: Hashable, compute: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """A KernelBench problem's probe (its tensors' dtypes and shapes), computed once per key;
+        a failed probe is reported, not remembered."""
+        return self._cached(self._probes, key, compute, lambda value: value is not None)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"trials_cached": len(self._trials), "bytes": self._bytes, "timings_cached": len(self._timings)}
+            return {"trials_cached": len(self._trials), "bytes": self._bytes, "pools": len(self._pools),
+                    "probes": len(self._probes)}
+
+
+def fresh_integers(spec: tasks.TaskSpec, sizes: dict[str, int], names: Sequence[str],
+                   rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Fresh draws of a task's integer inputs (from its own generator where it makes them)."""
+    made = dict(spec.make_inputs(rng, **sizes)) if spec.make_inputs else {}
+    result = {}
+    for arg in spec.arguments(Role.ARGUMENT_ROLE_INPUT):
+        if arg.name not in names:
+            continue
+        dtype = tasks.NUMPY_DTYPE[arg.dtype]
+        shape = tasks.shape_of(arg, sizes)
+        value = made.get(arg.name)
+        result[arg.name] = (np.ascontiguousarray(value, dtype=dtype) if value is not None
+                            else rng.standard_normal(shape).astype(dtype))
+    return result

@@ -1,8 +1,9 @@
-"""The SandboxService servicer: a thin layer between the contract and the pipeline.
+"""The SandboxService servicer: a thin layer between the contract and the evaluator.
 
 It validates requests (every bad field named), resolves defaults, admits work into the
-bounded pool and streams verdicts back; the evaluation itself lives in pipeline.py, the
-isolation in isolation.py, the checks in static_check.py and checking.py.
+bounded pool and streams verdicts back; the evaluation itself lives in evaluator.py and one
+module per toolchain (toolchains/), what the service believes about a measurement in
+trust.py, the isolation in isolation.py, the checks in static_check.py and checking.py.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import tempfile
@@ -33,10 +35,10 @@ from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
 from leap.runtime.paging import decode_page_token, encode_page_token, is_offset
 from leap.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
-from svc_sandbox import confinement, toolchains
+from svc_sandbox import compilers, confinement
 from svc_sandbox.compile_cache import CompileCache
+from svc_sandbox.evaluator import Evaluator, Request, Settings, resolve
 from svc_sandbox.isolation import JobCancelled, SandboxUnavailable, Sandboxing, Zygote
-from svc_sandbox.pipeline import Evaluator, Request, Settings, resolve
 from svc_sandbox.pool import WorkerPool
 from svc_sandbox.references import ReferenceStore
 from svc_sandbox.telemetry import Telemetry
@@ -47,6 +49,7 @@ SERVICE_NAME = "leap.sandbox.v1.SandboxService"
 Toolchain = common_pb2.Toolchain
 TaskView = sandbox_pb2.TaskView
 DEFAULT_PAGE_SIZE = 100
+MIN_STAGE_SECONDS = 1e-3
 MAX_PAGE_SIZE = 1000
 
 
@@ -121,8 +124,38 @@ class SandboxConfig(ServerConfig):
     correctness_trials_cpu: int = option(3, "Default correctness trials (each on fresh inputs) for cpu and kernelbench.",
                                         minimum=1)
     correctness_trials_gpu: int = option(5, "Default correctness trials for cuda.", minimum=1)
-    timing_trials: int = option(10, "Default timed runs of candidate and reference each.", minimum=1)
+    timing_trials: int = option(10, "Default timed runs of candidate and reference each, at least (they run in "
+                                    "interleaved pairs on the same fresh inputs).", minimum=1)
     warmup_runs: int = option(2, "Default untimed runs before timing.", minimum=0)
+    timing_run_seconds: float = option(1e-3, "A timed run is a batch of calls, each on inputs of its own, that lasts "
+                                             "about this long (the fixed cost of starting and stopping a run, tens of "
+                                             "microseconds, then hardly counts), in seconds.", minimum=1e-6)
+    timing_cpu_run_seconds: float = option(2e-3, "The same, for runs measured by CPU time (timing_clock), in seconds: "
+                                                 "a longer run averages over more calls on fresh inputs, which is "
+                                                 "what steadies a memory-bound kernel on a busy machine.", minimum=1e-6)
+    timing_interval_width: float = option(0.15, "Pairs of timed runs are added until the speedup's 95% interval is at "
+                                                "most this wide relative to the speedup, or the budget is spent.",
+                                          minimum=1e-3)
+    timing_unreliable_width: float = option(0.25, "An interval still wider than this (relative to the speedup) when the "
+                                                  "budget is spent makes the verdict TIMING_UNRELIABLE.", minimum=1e-3)
+    timing_max_runs: int = option(20, "Most timed runs of each of candidate and reference (the budget in runs).",
+                                  minimum=1)
+    timing_budget_seconds: float = option(0.3, "Time the timed runs of one candidate may take beyond the request's "
+                                               "timing_trials pairs, which always run (the budget in seconds).",
+                                          minimum=0.0)
+    timing_verified_calls: int = option(2, "Calls of each timed run whose outputs are checked (chosen at random after "
+                                           "the run), inputs and outputs.", minimum=1)
+    timing_clock: str = option("auto", "What timed runs are measured by: cpu (the CPU time of each process, every "
+                                       "thread of it: not inflated by waiting for a core on a busy machine), wall "
+                                       "(the wall clock) or auto (cpu with one thread per candidate, else wall). "
+                                       "GPU timings always use the wall clock.", choices=("auto", "cpu", "wall"))
+    session_memory_bytes: int = option(64 << 20, "Buffers of one timed run's calls (each call on inputs of its own), "
+                                                "for each of candidate and reference, in bytes: bounds the calls in a "
+                                                "run, and so what the service writes and checks for each (a run of a "
+                                                "larger call is one call).", minimum=1 << 20)
+    pin_workers: bool = option(True, "Pin each worker (its zygote, candidates and reference processes, and the "
+                                     "service thread that drives it) to cores of its own, when there are at least "
+                                     "as many cores as workers, so sandboxes of this service never share a core.")
     suspicious_speedup: float = option(10.0, "Speedups above this get the SUSPICIOUS_SPEEDUP flag.", minimum=1.0)
     kernelbench_device: str = option("auto", "Where kernelbench candidates run: cpu, cuda, or auto (cuda when a device "
                                              "is present).")
@@ -160,6 +193,9 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         cache = CompileCache(config.cache_dir or default_cache_dir(), config.cache_max_bytes)
         zygotes = self._confine(workers, threads, work_dir)
         uid_base = zygotes[0].uid
+        cores = sorted(os.sched_getaffinity(0))
+        slot_cores = ({slot: tuple(cores[slot * threads:(slot + 1) * threads]) for slot in range(workers)}
+                      if config.pin_workers and workers * threads <= len(cores) else {})
         settings = Settings(
             work_dir=work_dir, cpu_compiler=config.cpu_compiler, cpu_flags=list(config.cpu_flags), nvcc=config.nvcc,
             cuda_flags=list(config.cuda_flags), cuda_arch=config.cuda_arch, compile_timeout=config.compile_timeout_seconds,
@@ -168,10 +204,16 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             processes=config.process_limit, threads=threads, correctness_trials_cpu=config.correctness_trials_cpu,
             correctness_trials_gpu=config.correctness_trials_gpu, timing_trials=config.timing_trials,
             warmup_runs=config.warmup_runs, suspicious_speedup=config.suspicious_speedup,
+            timing_run_seconds=config.timing_run_seconds, timing_cpu_run_seconds=config.timing_cpu_run_seconds,
+            timing_max_runs=config.timing_max_runs,
+            timing_budget_seconds=config.timing_budget_seconds, timing_interval_width=config.timing_interval_width,
+            timing_unreliable_width=config.timing_unreliable_width,
+            timing_verified_calls=config.timing_verified_calls, session_memory_bytes=config.session_memory_bytes,
+            timing_clock=config.timing_clock,
             max_log_bytes=config.max_log_bytes, precompiled_header=config.precompiled_header,
             kernelbench_device=config.kernelbench_device, task_dirs=tuple(config.task_dirs),
-            telemetry_interval=config.telemetry_interval_ms / 1e3, uid_base=uid_base)
-        references = ReferenceStore(work_dir / "inputs", config.reference_cache_bytes)
+            telemetry_interval=config.telemetry_interval_ms / 1e3, uid_base=uid_base, slot_cores=slot_cores)
+        references = ReferenceStore(config.reference_cache_bytes)
         self.evaluator = Evaluator(settings, cache, references, self.telemetry, self.log)
         self.pool = WorkerPool(zygotes, config.max_queue)
         try:
@@ -186,6 +228,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             self.log.warning("the kernelbench toolchain is refused", reason=self.kernelbench_refused)
         self.log.info("sandbox ready", workers=workers, threads_per_candidate=threads, work_dir=str(work_dir),
                       cache_dir=str(cache.root), confinement=self.confinement, unconfined=self.unconfined,
+                      pinned={slot: list(c) for slot, c in slot_cores.items()} or "no",
                       cuda_devices=self.evaluator.devices.cuda_count, cuda=self.evaluator.devices.reason or "available",
                       nvml=self.telemetry.unavailable_reason or f"{len(self.telemetry.devices)} devices",
                       precompiled_header=bool(self.evaluator.prelude))
@@ -200,8 +243,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
                 work_dir.mkdir(parents=True, exist_ok=True)
             else:
                 work_dir = self._owned_work_dir = Path(tempfile.mkdtemp(prefix="leap-sandbox-"))
-            for name in ("jobs", "inputs"):
-                (work_dir / name).mkdir(exist_ok=True)
+            (work_dir / "jobs").mkdir(exist_ok=True)
             probe = work_dir / "jobs" / f".probe-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -344,8 +386,10 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             violations.add(f"{options_where}.correctness_trials", "at most 100")
         if options.timing_trials > 1000 or options.warmup_runs > 1000:
             violations.add(f"{options_where}.timing_trials", "timing_trials and warmup_runs are at most 1000")
-        if options.stage_timeout_seconds < 0 or options.stage_timeout_seconds > 3600:
-            violations.add(f"{options_where}.stage_timeout_seconds", "must be in [0, 3600]")
+        timeout = options.stage_timeout_seconds
+        if not math.isfinite(timeout) or timeout < 0 or timeout > 3600 or 0 < timeout < MIN_STAGE_SECONDS:
+            violations.add(f"{options_where}.stage_timeout_seconds",
+                           f"must be 0 (the default) or a number of seconds in [{MIN_STAGE_SECONDS:g}, 3600], got {timeout!r}")
         for i, check in enumerate(options.disabled_checks):
             if check not in sandbox_pb2.Check.values() or check == sandbox_pb2.CHECK_UNSPECIFIED:
                 violations.add(f"{options_where}.disabled_checks[{i}]", f"unknown check {check}")
@@ -362,10 +406,10 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             if options.compiler and options.compiler not in allowed and options.compiler != (config.nvcc if cuda else
                                                                                                config.cpu_compiler):
                 violations.add(f"{options_where}.compiler", f"one of {', '.join(allowed)}")
-            elif toolchains.find(options.compiler or (config.nvcc if cuda else config.cpu_compiler)) is None:
+            elif compilers.find(options.compiler or (config.nvcc if cuda else config.cpu_compiler)) is None:
                 name = options.compiler or (config.nvcc if cuda else config.cpu_compiler)
                 violations.add(f"{options_where}.compiler", f"{name} is not installed on this sandbox")
-            for i in toolchains.bad_extra_flags(list(options.extra_compile_flags), cuda):
+            for i in compilers.bad_extra_flags(list(options.extra_compile_flags), cuda):
                 violations.add(f"{options_where}.extra_compile_flags[{i}]",
                                f"{options.extra_compile_flags[i]!r} is not allowed (only optimization, target, -D/-U "
                                f"and warning flags)")
@@ -489,8 +533,8 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         for i, index in enumerate(request.device_indices):
             if index not in known:
                 violations.add(f"device_indices[{i}]", f"no device {index} (see ListDevices)")
-        if request.interval_seconds and request.interval_seconds < 0.05:
-            violations.add("interval_seconds", "at least 0.05")
+        if request.interval_seconds and not (math.isfinite(request.interval_seconds) and request.interval_seconds >= 0.05):
+            violations.add("interval_seconds", f"at least 0.05 (a finite number of seconds), got {request.interval_seconds!r}")
         if request.max_samples < 0:
             violations.add("max_samples", "must not be negative")
         violations.raise_if_any()

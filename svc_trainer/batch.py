@@ -8,7 +8,8 @@
   per-token advantage is the advantage of the turn that sampled the token;
 - `learning_batch`: the sequences worth a forward pass, and the loss's normalizer over all;
 - `logprob_gap`: how far the sampler's logprobs are from the learner's recomputation;
-- `rollout_records`: a step's trajectories as JSON lines for people (and tests) to read.
+- `rollout_records`: a step's trajectories as JSON lines for people (and tests) to read,
+  each turn with its verdict's flags (a flagged rollout is kept, never dropped).
 """
 
 from __future__ import annotations
@@ -21,28 +22,43 @@ from leap.evaluation import correct_by_turn
 from leap.learning import Normalizer, Sequence as LearnerSequence
 from leap.reward.v1 import reward_pb2
 from leap.rollouts import Episode, Outcome
+from leap.sandbox.v1 import sandbox_pb2
 
 Stage = common_pb2.Stage
 
 
-def _judged(outcome: Outcome) -> dict:
-    """A turn's result fields for the reward service: its stage (FORMAT when it has none) and,
-    only when it is correct and timed, its speedup."""
+def _gated(outcome: Outcome) -> dict:
+    """A first turn's result fields for the gate: its stage (FORMAT when it has none) and, only
+    when it is correct, timed and not flagged, its speedup (a flagged one reads as untimed)."""
+    fields = {"stage": outcome.stage or Stage.STAGE_FORMAT}
+    if outcome.credited_speedup > 0:
+        fields["speedup"] = outcome.credited_speedup
+    return fields
+
+
+def _ranked(outcome: Outcome) -> dict:
+    """A turn's result fields for the tournament: its stage and, when it is correct and timed,
+    its speedup with its interval and whether the sandbox flagged it (then the reward service
+    gives it no speed credit)."""
     fields = {"stage": outcome.stage or Stage.STAGE_FORMAT}
     if outcome.correct and outcome.speedup > 0:
         fields["speedup"] = outcome.speedup
+        if 0 < outcome.speedup_low <= outcome.speedup <= outcome.speedup_high:
+            fields["speedup_low"], fields["speedup_high"] = outcome.speedup_low, outcome.speedup_high
+        if outcome.flagged:
+            fields["speedup_flagged"] = True
     return fields
 
 
 def gate_group(task_id: str, episodes: Sequence[Episode]) -> reward_pb2.GateGroup:
     return reward_pb2.GateGroup(task_id=task_id,
-                                rollouts=[reward_pb2.RolloutResult(**_judged(e.turns[0].outcome)) for e in episodes])
+                                rollouts=[reward_pb2.RolloutResult(**_gated(e.turns[0].outcome)) for e in episodes])
 
 
 def rank_group(task_id: str, episodes: Sequence[Episode]) -> reward_pb2.RankGroup:
     trajectories = []
     for episode in episodes:
-        turns = [reward_pb2.TurnResult(**_judged(turn.outcome), generated_tokens=len(turn.completion_ids))
+        turns = [reward_pb2.TurnResult(**_ranked(turn.outcome), generated_tokens=len(turn.completion_ids))
                  for turn in episode.turns]
         trajectories.append(reward_pb2.Trajectory(turns=turns))
     return reward_pb2.RankGroup(task_id=task_id, trajectories=trajectories)
@@ -114,6 +130,9 @@ def rollout_records(step: int, groups: Sequence[tuple[str, Sequence[Episode]]], 
                 "advantage": trajectory.advantage, "turn_advantages": list(trajectory.turn_advantages),
                 "solved_by_turn": correct_by_turn(episode.outcomes(), len(episode.turns)),
                 "turns": [{"stage": Stage.Name(t.outcome.stage), "speedup": t.outcome.speedup,
+                           "speedup_interval": [t.outcome.speedup_low, t.outcome.speedup_high],
+                           "flags": [sandbox_pb2.VerdictFlag.Name(f).removeprefix("VERDICT_FLAG_")
+                                     for f in (t.verdict.flags if t.verdict else [])],
                            "tokens": len(t.completion_ids), "weight_version": t.weight_version, "text": t.text,
                            "verdict": (t.verdict.message or t.verdict.runtime_error) if t.verdict else ""}
                           for t in episode.turns],

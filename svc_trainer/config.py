@@ -77,6 +77,7 @@ def with_defaults(config: trainer_pb2.RunConfig, services: trainer_pb2.ServiceAd
     out.gate.max_turns = out.max_turns
     out.rank.method = out.rank.method or reward_pb2.RewardMethod.REWARD_METHOD_TOURNAMENT
     out.checkpoint_every = out.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
+    out.flagged_verdicts = out.flagged_verdicts or trainer_pb2.FlaggedVerdicts.FLAGGED_VERDICTS_NO_SPEED_CREDIT
     out.eval_samples = out.eval_samples or DEFAULT_EVAL_SAMPLES
     out.eval_turns = out.eval_turns or (DEFAULT_MAX_TURNS if out.mode == TrainMode.TRAIN_MODE_SINGLE else out.max_turns)
     if out.max_staleness and not out.HasField("importance_cap"):
@@ -144,6 +145,8 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     check(not set(config.train_tasks) & set(config.eval_tasks), "eval_tasks",
           "shares tasks with train_tasks: held-out tasks must not be trained on")
     check(config.toolchain in common_pb2.Toolchain.values(), "toolchain", f"unknown toolchain {config.toolchain}")
+    check(config.flagged_verdicts in trainer_pb2.FlaggedVerdicts.values(), "flagged_verdicts",
+          f"unknown value {config.flagged_verdicts}")
     rounds = config.rgrpo
     check(rounds.rounds >= 0, "rgrpo.rounds", "must not be negative (0 is a plain run)")
     check(rounds.steps_per_round >= 0, "rgrpo.steps_per_round", "must be at least 1 (0 means steps)")

@@ -607,7 +607,8 @@ class TrainingJob:
         return Rollouts(Endpoints(services.policy, services.sandbox, services.addresses.policy, services.addresses.sandbox),
                         learner.tokenizer, model=self.config.policy_model, toolchain=self.config.toolchain,
                         sampling=self.config.sampling, options=options, max_context_tokens=info.max_context_tokens,
-                        patience=self.patience)
+                        patience=self.patience, flagged_as_failure=self.config.flagged_verdicts ==
+                        trainer_pb2.FlaggedVerdicts.FLAGGED_VERDICTS_AS_FAILURE)
 
     # --- one step ---------------------------------------------------------------------------
 

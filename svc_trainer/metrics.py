@@ -15,12 +15,23 @@ def expanded_share(expanded: Sequence[bool]) -> float:
 
 def rollout_metrics(trajectories: Sequence[Sequence[Outcome]], expanded: Sequence[bool], turns: int) -> dict[str, float]:
     """pass@1 by turn over the step's trajectories, the mean speedup of their correct
-    answers and the expanded share of groups. (The job counts the step's sandbox evaluations
-    itself: an empty answer is judged without one.)"""
+    answers (flagged ones left out), the expanded share of groups and the flagged verdicts.
+    (The job counts the step's sandbox evaluations itself: an empty answer is judged without
+    one.)"""
     values = by_turn("pass_at_1", pass_at_1_by_turn(trajectories, turns))
     values["speedup/mean_correct"] = mean_speedup_of_correct(trajectories)
     values["expanded_share"] = expanded_share(expanded)
+    values.update(flagged_counts(trajectories))
     return values
+
+
+def flagged_counts(trajectories: Sequence[Sequence[Outcome]]) -> dict[str, float]:
+    """Verdicts of the step the sandbox flagged, over every turn: passes faster than its
+    bound (`sandbox/flagged_suspicious`) and passes whose speedup interval stayed wide
+    (`sandbox/flagged_unreliable`); one verdict can be both."""
+    outcomes = [o for trajectory in trajectories for o in trajectory]
+    return {"sandbox/flagged_suspicious": float(sum(o.suspicious for o in outcomes)),
+            "sandbox/flagged_unreliable": float(sum(o.unreliable for o in outcomes))}
 
 
 def zero_spread_share(rewards_by_group: Sequence[Sequence[float]]) -> float:

@@ -53,8 +53,18 @@ def test_expanded_share_and_rollout_metrics():
     assert expanded_share([]) == 0.0
     values = rollout_metrics([[WRONG, RIGHT], [RIGHT]], [True, False], 2)
     assert values == {"pass_at_1/turn_1": 0.5, "pass_at_1/turn_2": 1.0, "speedup/mean_correct": 2.0,
-                      "expanded_share": 0.5}
+                      "expanded_share": 0.5, "sandbox/flagged_suspicious": 0.0, "sandbox/flagged_unreliable": 0.0}
     assert by_turn("x", [1.0]) == {"x/turn_1": 1.0}
+
+
+def test_flagged_verdicts_are_counted_and_earn_no_mean_speedup():
+    suspicious = Outcome(True, 40.0, suspicious=True)
+    both = Outcome(True, 25.0, suspicious=True, unreliable=True)
+    values = rollout_metrics([[WRONG, suspicious], [RIGHT, both], [Outcome(True, 1.0, unreliable=True)]],
+                             [True, False, False], 2)
+    assert values["sandbox/flagged_suspicious"] == 2.0 and values["sandbox/flagged_unreliable"] == 2.0
+    assert values["speedup/mean_correct"] == 2.0  # only RIGHT's speedup counts
+    assert values["pass_at_1/turn_2"] == 1.0  # a flagged pass is still a pass (FLAGGED_VERDICTS_NO_SPEED_CREDIT)
 
 
 def test_draw_tasks_resumes_from_the_cursor_and_covers_each_epoch():

@@ -250,6 +250,28 @@ def test_a_missing_speedup_is_neutral_and_zero_reads_as_missing():
     assert outcome_of([Turn(Stage.CORRECT, 5.0, 10)]).speedup is None
 
 
+def test_a_flagged_speedup_earns_no_speed_credit():
+    # The sandbox flagged the fast one's timing (suspicious or unreliable): it reads as untimed.
+    flagged = [Turn(Stage.PASSED, 40.0, 100, flagged=True)]
+    assert outcome_of(flagged).speedup is None
+    assert rewards_of([flagged, solved(1.0, 100)]) == [0.0, 0.0]
+    assert rewards_of([flagged, solved(1.0, 1000)]) == [1.0, -1.0]  # the token tie-break still applies
+    # Its best unflagged turn still counts.
+    assert outcome_of([Turn(Stage.PASSED, 2.0, 10), Turn(Stage.PASSED, 40.0, 10, flagged=True)]).speedup == 2.0
+    log_speedup = RankParams(method=Method.LOG_SPEEDUP)
+    assert rewards_of([flagged, failed(Stage.RUN)], log_speedup) == pytest.approx([0.0, math.log(0.1)])
+
+
+def test_speed_wins_only_where_the_intervals_separate():
+    fast = [Turn(Stage.PASSED, 1.5, 100, 1.3, 1.7)]
+    overlapping = [Turn(Stage.PASSED, 1.0, 100, 0.8, 1.4)]
+    apart = [Turn(Stage.PASSED, 1.0, 100, 0.9, 1.1)]
+    assert rewards_of([fast, overlapping]) == [0.0, 0.0]  # beyond the margin, within the noise: a tie
+    assert rewards_of([fast, apart]) == [1.0, -1.0]
+    assert rewards_of([fast, solved(1.0)]) == [1.0, -1.0]  # no interval on one side: the margin decides
+    assert outcome_of(fast)[5:] == (1.3, 1.7)
+
+
 def test_a_trajectory_reads_as_its_best_artifact():
     regressed = [Turn(Stage.CORRECT, None, 10), Turn(Stage.COMPILE, None, 10)]
     outcome = outcome_of(regressed)

@@ -224,6 +224,14 @@ def bad_rank_requests():
         ])]), ["groups[1].trajectories[0].turns[2].stage", "groups[1].trajectories[0].turns[3].speedup",
                "groups[1].trajectories[1].turns", "groups[1].trajectories[2].turns[0].speedup",
                "groups[1].trajectories[2].turns[0].generated_tokens"]
+    inverted = turn(PASSED, 10, 2.0)
+    inverted.speedup_low, inverted.speedup_high = 2.5, 3.0
+    negative = turn(PASSED, 10, 2.0)
+    negative.speedup_low, negative.speedup_high = -1.0, 3.0
+    # NaN ends never reach Rank: the runtime refuses every non-finite float first (test_runtime).
+    yield "a speedup outside its interval, a negative end", pb.RankRequest(groups=[good, pb.RankGroup(trajectories=[
+        trajectory(inverted), trajectory(negative)])]), ["groups[1].trajectories[0].turns[0].speedup_low",
+                                                          "groups[1].trajectories[1].turns[0].speedup_low"]
     config = pb.RankConfig(method=7, speedup_margin=-0.1, token_margin=-1.0, turn_discount=1.5,
                            failure_penalty=0.5)
     yield "bad config", pb.RankRequest(groups=[good], config=config), [
@@ -246,6 +254,22 @@ def test_zero_speedup_reads_as_not_timed(server):
     group = pb.RankGroup(trajectories=[trajectory(turn(PASSED, 100, 0.0)), trajectory(turn(PASSED, 100, 9.0))])
     (result,) = stub_for(server.address).Rank(pb.RankRequest(groups=[group]), timeout=10).results
     assert [t.reward for t in result.trajectories] == [0, 0]
+
+
+def test_flagged_speedups_and_intervals_reach_the_tournament(server):
+    flagged = turn(PASSED, 100, 30.0)
+    flagged.speedup_flagged = True
+    honest = turn(PASSED, 100, 1.5)
+    honest.speedup_low, honest.speedup_high = 1.2, 1.8
+    noisy = turn(PASSED, 100, 1.0)
+    noisy.speedup_low, noisy.speedup_high = 0.5, 1.6
+    group = pb.RankGroup(trajectories=[trajectory(flagged), trajectory(honest), trajectory(noisy)])
+    (result,) = stub_for(server.address).Rank(pb.RankRequest(groups=[group]), timeout=10).results
+    assert [t.reward for t in result.trajectories] == [0, 0, 0]  # no speed credit; intervals overlap
+    noisy.speedup_high = 1.1
+    group = pb.RankGroup(trajectories=[trajectory(honest), trajectory(noisy)])
+    (result,) = stub_for(server.address).Rank(pb.RankRequest(groups=[group]), timeout=10).results
+    assert [t.reward for t in result.trajectories] == [1, -1]
 
 
 # The history across restarts of a real `leap serve reward` ---------------------------------

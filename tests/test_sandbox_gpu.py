@@ -1,8 +1,10 @@
 """The sandbox on an NVIDIA GPU: every CUDA solution of the suite passes on the device and is
-timed with CUDA events against the PyTorch baseline; CUDA failures are verdicts; the device
-synchronize inside the timed region counts side-stream work; NVML lists devices and samples
-them while timing; kernelbench runs on the GPU. Skipped where no GPU is present (run them
-with `scripts/gpu_checks.sh OUT` on a GPU machine)."""
+timed by the zygote's wall clock (STAGE, GO, FETCH through host staging in shared memory),
+interleaved with the PyTorch baseline in the same session, with an interval; CUDA failures
+are verdicts; the device synchronize inside GO counts side-stream work; work a kernel leaves
+running after its launcher returns is counted or fails; NVML lists devices and samples them
+while timing; kernelbench runs on the GPU. Skipped where no GPU is present (run them with
+`scripts/gpu_checks.sh OUT` on a GPU machine)."""
 
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ def test_every_cuda_solution_passes_on_the_device(sandbox):
     assert not failed, "\n".join(failed)
     for verdict in verdicts:
         assert verdict.size == "large" and verdict.device.startswith("cuda:0")
-        assert verdict.trials_passed == 5 and verdict.candidate_timing.trials == 10
-        assert verdict.reference_timing.trials == 10 and verdict.speedup > 0
+        assert verdict.trials_passed == 5 and verdict.candidate_timing.trials == verdict.reference_timing.trials >= 10
+        assert 0 < verdict.speedup_low <= verdict.speedup <= verdict.speedup_high
+        assert verdict.timing_clock == "wall" and verdict.calls_per_run >= 1
         assert verdict.telemetry and verdict.telemetry[0].sm_clock_mhz > 0
         assert "NO_DEVICE" not in flags(verdict)
 
@@ -85,6 +88,23 @@ def test_device_sync_inside_the_timed_region_counts_side_stream_work(sandbox):
     # ~4M cycles of spinning (over 1 ms at any clock) is in the synced timing, not the other
     assert synced.candidate_timing.median_ms > 1.0
     assert unsynced.candidate_timing.median_ms < synced.candidate_timing.median_ms / 3
+
+
+# The launcher returns at once; the kernel writes the outputs ~1 ms later, on a stream of its
+# own. GO ends with a device synchronize: the wait is counted, and the outputs are right.
+LATE_WRITER = kernel(
+    "    if (i == 0) { long long start = clock64(); while (clock64() - start < 2000000) {} }\n"
+    "    __syncthreads();\n    if (i < n) y[i] = x[i] > 0.0f ? x[i] : 0.0f;",
+    launch="static cudaStream_t s = 0;\n    if (!s) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);\n"
+           "    k<<<(n + 255) / 256, 256, 0, s>>>(x, y, n);")
+
+
+def test_work_left_running_after_the_launcher_returns_is_counted(sandbox):
+    honest = sandbox.evaluate("relu", kernel(RELU), CUDA, size="small", timing_trials=5)
+    late = sandbox.evaluate("relu", LATE_WRITER, CUDA, size="small", timing_trials=5)
+    assert honest.stage == late.stage == Stage.STAGE_PASSED, describe(honest) + describe(late)
+    assert late.candidate_timing.median_ms > 0.5 > honest.candidate_timing.median_ms
+    assert late.speedup < honest.speedup and "SUSPICIOUS_SPEEDUP" not in flags(late)
 
 
 def test_nvml_lists_devices_and_streams_samples(sandbox):
@@ -138,4 +158,5 @@ def test_kernelbench_runs_on_the_gpu(tmp_path):
     with running_sandbox(tmp_path, task_dirs=[str(tmp_path / "problems")], workers=1) as sandbox:
         verdict = sandbox.evaluate("1_matmul_relu", KB_NEW, KERNELBENCH)
         assert verdict.stage == Stage.STAGE_PASSED and verdict.device.startswith("cuda:0"), describe(verdict)
-        assert verdict.reference_timing.trials == 10 and verdict.speedup > 0
+        assert verdict.reference_timing.trials >= 10 and verdict.speedup > 0 and verdict.timing_clock == "wall"
+        assert verdict.telemetry

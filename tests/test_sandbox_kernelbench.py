@@ -108,7 +108,9 @@ def test_pytorch_only_model_new_passes_and_is_timed(sandbox):
     verdict = sandbox.evaluate(TASK, MODEL_NEW, KERNELBENCH, timing_trials=5)
     assert verdict.stage == Stage.STAGE_PASSED, describe(verdict)
     assert verdict.device == "cpu" and verdict.trials_passed == 3
-    assert verdict.candidate_timing.trials == 5 and verdict.reference_timing.trials == 5 and verdict.speedup > 0
+    # at least the 5 pairs of timed runs asked for, more while the speedup's interval is wide
+    assert verdict.candidate_timing.trials == verdict.reference_timing.trials >= 5
+    assert 0 < verdict.speedup_low <= verdict.speedup <= verdict.speedup_high and verdict.calls_per_run >= 1
     assert "torch" in verdict.compile.compiler_version
 
 

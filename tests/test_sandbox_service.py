@@ -5,6 +5,7 @@ filters, and `leap serve sandbox` runs as a real process configured by flags."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -63,6 +64,19 @@ def test_bad_candidates_are_invalid_argument_naming_every_field(sandbox):
     assert set(violations(error)) == {"options.size", "options.correctness_trials", "options.disabled_checks[0]",
                                       "options.stage_timeout_seconds", "options.compiler"}
     assert "small, large" in violations(error)["options.size"]
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf, -math.inf, 5e-324, 1e-9, -0.5, 3601.0])
+def test_a_stage_timeout_that_is_not_a_number_of_seconds_is_invalid(sandbox, seconds):
+    request = sandbox_pb2.EvaluateRequest(candidate=candidate("relu", relu(RELU_LOOP)),
+                                          options=sandbox_pb2.EvaluateOptions(stage_timeout_seconds=seconds))
+    error = evaluate_error(sandbox, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert set(violations(error)) == {"options.stage_timeout_seconds"}
+    batch = sandbox_pb2.EvaluateBatchRequest(candidates=[candidate("relu", relu(RELU_LOOP))], options=request.options)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(sandbox.stub.EvaluateBatch(batch, timeout=30))
+    assert set(violations(caught.value)) == {"options.stage_timeout_seconds"}
 
 
 def test_missing_task_is_not_found_with_resource_info(sandbox):

@@ -34,7 +34,7 @@ def test_every_cpu_example_stops_at_its_expected_stage(sandbox):
         assert verdict.task_id == task.id and verdict.candidate_id.startswith(task.id)
         if example.expected_stage == Stage.STAGE_PASSED:
             assert verdict.trials_passed == verdict.trials_run == 3
-            assert verdict.candidate_timing.trials == 3 and verdict.reference_timing.trials == 3 and verdict.speedup > 0
+            assert verdict.candidate_timing.trials == verdict.reference_timing.trials >= 3 and verdict.speedup > 0
         if example.kind == tasks.ExampleKind.EXAMPLE_KIND_CRASH:
             assert "CRASHED" in flags(verdict) and "SIGSEGV" in verdict.runtime_error, describe(verdict)
         if example.kind == tasks.ExampleKind.EXAMPLE_KIND_SYNTAX_ERROR:

@@ -5,7 +5,9 @@ wire format's defence against malformed frames, and the compile cache under conc
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
+import math
 import socket
 import struct
 
@@ -14,7 +16,7 @@ import pytest
 
 from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
-from svc_sandbox import checking, static_check, toolchains
+from svc_sandbox import checking, compilers, static_check, timing
 from svc_sandbox.compile_cache import CompileCache, cache_key
 from svc_sandbox.wire import WireError, WireTimeout, recv_frame, send_frame
 
@@ -131,14 +133,49 @@ def test_tolerance_is_absolute_plus_relative():
     assert checking.compare("y", 0, np.array([101.5, 0.0]), expected, 1e-3, 1e-2).first_bad_index == 0
 
 
-def test_timing_stats_speedup_and_alternating_order():
+def test_timing_stats_and_alternating_order():
     stats = checking.timing_stats([0.001, 0.003, 0.002])
     assert (stats.median_ms, stats.min_ms, stats.max_ms, stats.trials) == (2.0, 1.0, 3.0, 3)
     assert stats.mean_ms == pytest.approx(2.0) and stats.std_ms == pytest.approx(0.8165, rel=1e-3)
-    assert checking.speedup(checking.timing_stats([0.004]), stats) == 2.0
-    assert checking.speedup(sandbox_pb2.TimingStats(), stats) == 0.0
-    assert checking.timing_schedule(4, alternate=True) == [("reference", "candidate"), ("candidate", "reference")] * 2
-    assert checking.timing_schedule(3, alternate=False) == [("reference", "candidate")] * 3
+    assert [timing.order(i, alternate=True) for i in range(3)] == [("reference", "candidate"),
+                                                                  ("candidate", "reference"),
+                                                                  ("reference", "candidate")]
+    assert {timing.order(i, alternate=False) for i in range(3)} == {("reference", "candidate")}
+
+
+def test_the_speedup_interval_is_distribution_free():
+    # 10 ratios: the 95% interval of the median is [2nd, 9th] (coverage 97.9%); under 6 pairs no
+    # order statistic reaches 95% and the interval is [min, max].
+    ratios = [1.0 + i / 10 for i in range(10)]
+    center, low, high = timing.median_interval(ratios)
+    assert center == pytest.approx(1.45) and (low, high) == (1.1, 1.8)
+    assert timing.median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert timing.ratios([2.0, 3.0, 1.0], [1.0, 0.0, 4.0]) == [2.0, 0.25]  # a zero time is left out
+    assert timing.relative_width(0.9, 1.1, 1.0) == pytest.approx(0.2) and timing.relative_width(1, 2, 0) == math.inf
+
+
+def test_timed_runs_stop_at_a_narrow_interval_or_a_budget():
+    stop = functools.partial(timing.should_stop, min_pairs=5, max_pairs=20, target_width=0.1, budget_seconds=2.0)
+    assert not stop(4, 0.01, elapsed=0.1)  # fewer than asked for
+    assert stop(5, 0.05, elapsed=0.1) and not stop(5, 0.3, elapsed=0.1)
+    assert stop(20, 0.3, elapsed=0.1) and stop(7, 0.3, elapsed=2.5)
+    assert not stop(2, 0.3, elapsed=2.5)  # the request's minimum always runs
+    assert timing.calls_per_run(1e-5, 1e-3, 256) == 100 and timing.calls_per_run(1e-2, 1e-3, 256) == 1
+    assert timing.calls_per_run(1e-7, 1e-3, 256) == 256 and timing.calls_per_run(0.0, 1e-3, 8) == 8
+
+
+def test_compare_streams_in_chunks_and_releases_them():
+    expected = np.arange(10_000, dtype=np.float64)
+    got = expected.astype(np.float32)
+    released = []
+    assert checking.compare("y", 0, got, expected, 0, 0, chunk=4096,
+                            release=lambda start, end: released.append((start, end))) is None
+    assert released == [(0, 4096), (4096, 8192), (8192, 10_000)]
+    got[9000] = -1.0
+    got[100] = np.nan
+    m = checking.compare("y", 0, got, expected, 0, 0, chunk=4096)
+    assert (m.first_bad_index, m.bad_elements, m.reason) == (100, 2, "nan")
+    assert m.max_abs_error == 9001.0  # over every chunk, not just the first bad one
 
 
 def test_log_trimming_keeps_the_head_within_the_limit():
@@ -157,12 +194,12 @@ def test_throttle_reasons_that_make_timing_unreliable():
 
 def test_extra_compile_flags_allow_tuning_but_nothing_that_touches_files():
     good = ["-O2", "-ffast-math", "-march=skylake", "-mavx2", "-DTILE=64", "-funroll-loops", "-Wall"]
-    assert toolchains.bad_extra_flags(good, cuda=False) == []
+    assert compilers.bad_extra_flags(good, cuda=False) == []
     bad = ["-o/tmp/x", "-include/etc/passwd", "-I/", "-lcblas", "-Wl,--wrap=clock_gettime", "@/etc/flags",
            "-fplugin=x.so", "-B/tmp", "-specs=x"]
-    assert toolchains.bad_extra_flags(bad, cuda=False) == list(range(len(bad)))
-    assert toolchains.bad_extra_flags(["--use_fast_math", "-lineinfo", "-arch=sm_90a", "--maxrregcount=64"], cuda=True) == []
-    assert toolchains.bad_extra_flags(["-Xcompiler=-fplugin=x.so", "-ccbin=/tmp/cc"], cuda=True) == [0, 1]
+    assert compilers.bad_extra_flags(bad, cuda=False) == list(range(len(bad)))
+    assert compilers.bad_extra_flags(["--use_fast_math", "-lineinfo", "-arch=sm_90a", "--maxrregcount=64"], cuda=True) == []
+    assert compilers.bad_extra_flags(["-Xcompiler=-fplugin=x.so", "-ccbin=/tmp/cc"], cuda=True) == [0, 1]
 
 
 def test_wire_frames_round_trip_and_reject_malformed_input():

@@ -49,6 +49,45 @@ def test_gate_and_rank_groups_carry_stages_speedups_and_token_counts():
     assert not first[0].HasField("speedup")  # a failing turn's speedup is not sent
 
 
+def flagged_turn(flag, as_failure: bool = False) -> Turn:
+    flagged = turn([1, 2], [3], Stage.STAGE_PASSED, speedup=40.0)
+    flagged.verdict.speedup_low, flagged.verdict.speedup_high = 30.0, 50.0
+    flagged.verdict.flags.append(flag)
+    flagged.flagged_as_failure = as_failure
+    return flagged
+
+
+def test_a_flagged_pass_is_ranked_without_speed_credit_and_gated_as_untimed():
+    flagged = flagged_turn(sandbox_pb2.VERDICT_FLAG_SUSPICIOUS_SPEEDUP)
+    honest = turn([1, 2], [3], Stage.STAGE_PASSED, speedup=1.5)
+    honest.verdict.speedup_low, honest.verdict.speedup_high = 1.3, 1.7
+    episodes = [Episode(TASK, 0, [], [flagged]), Episode(TASK, 1, [], [honest])]
+    rank = batch.rank_group("relu", episodes)
+    sent = rank.trajectories[0].turns[0]
+    assert sent.stage == Stage.STAGE_PASSED and sent.speedup == 40.0 and sent.speedup_flagged
+    assert (sent.speedup_low, sent.speedup_high) == (30.0, 50.0)
+    other = rank.trajectories[1].turns[0]
+    assert not other.speedup_flagged and (other.speedup_low, other.speedup_high) == (1.3, 1.7)
+    gate = batch.gate_group("relu", episodes)
+    assert not gate.rollouts[0].HasField("speedup") and gate.rollouts[1].speedup == 1.5
+    assert episodes[0].best_speedup == 0.0  # improve_below_speedup never sees a flagged speedup
+    assert batch.continues(episodes[0], improve_below_speedup=2.0) is False  # solved, no speed to improve
+    ranked = reward_pb2.RankResponse(results=[reward_pb2.RankResult(task_id="relu", trajectories=[
+        reward_pb2.TrajectoryReward(turn_advantages=[0.0]), reward_pb2.TrajectoryReward(turn_advantages=[0.0])])])
+    kept, _ = batch.rollout_records(1, [("relu", episodes)], ranked)  # the flagged rollout is logged, flags and all
+    assert kept["turns"][0]["flags"] == ["SUSPICIOUS_SPEEDUP"] and kept["turns"][0]["speedup_interval"] == [30.0, 50.0]
+
+
+def test_a_flagged_pass_can_count_as_a_failure():
+    demoted = flagged_turn(sandbox_pb2.VERDICT_FLAG_TIMING_UNRELIABLE, as_failure=True)
+    outcome = demoted.outcome
+    assert not outcome.correct and outcome.stage == Stage.STAGE_CORRECT and outcome.unreliable
+    episode = Episode(TASK, 0, [], [demoted])
+    assert not episode.solved and batch.continues(episode, improve_below_speedup=0.0)
+    (sent,) = batch.rank_group("relu", [episode, episode]).trajectories[0].turns
+    assert sent.stage == Stage.STAGE_CORRECT and not sent.HasField("speedup")
+
+
 def test_an_expanded_rollout_continues_while_unsolved_or_slower_than_the_target():
     unsolved = Episode(TASK, 0, [], [turn([1], [2], Stage.STAGE_CORRECT)])
     slow = Episode(TASK, 1, [], [turn([1], [2], Stage.STAGE_PASSED, speedup=0.8)])

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from leap.common.v1 import common_pb2 as leap_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bleap/reward/v1/reward.proto\x12\x0eleap.reward.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1bleap/common/v1/common.proto\"W\n\rRolloutResult\x12$\n\x05stage\x18\x01 \x01(\x0e\x32\x15.leap.common.v1.Stage\x12\x14\n\x07speedup\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_speedup\"M\n\tGateGroup\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12/\n\x08rollouts\x18\x02 \x03(\x0b\x32\x1d.leap.reward.v1.RolloutResult\"\xc5\x02\n\nGateConfig\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.leap.reward.v1.GateMode\x12\x1d\n\x10simple_threshold\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x31\n\x12\x63\x61tastrophic_stage\x18\x03 \x01(\x0e\x32\x15.leap.common.v1.Stage\x12\x1a\n\x12never_solved_after\x18\x04 \x01(\x05\x12\x11\n\tmax_turns\x18\x05 \x01(\x05\x12\x1a\n\rexpand_budget\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rhistory_decay\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x1d\n\x15improve_below_speedup\x18\x08 \x01(\x01\x42\x13\n\x11_simple_thresholdB\x10\n\x0e_expand_budgetB\x10\n\x0e_history_decay\"\x8e\x01\n\x0bGateRequest\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.leap.reward.v1.GateGroup\x12*\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1a.leap.reward.v1.GateConfig\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\"A\n\nStageCount\x12$\n\x05stage\x18\x01 \x01(\x0e\x32\x15.leap.common.v1.Stage\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"\x98\x01\n\x0bTaskHistory\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rema_pass_rate\x18\x02 \x01(\x01\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x03\x12\x0e\n\x06solves\x18\x04 \x01(\x03\x12\x0e\n\x06groups\x18\x05 \x01(\x03\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb6\x02\n\x0cGateDecision\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12*\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x18.leap.reward.v1.Decision\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x05\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12\x33\n\x0fstage_histogram\x18\x06 \x03(\x0b\x32\x1a.leap.reward.v1.StageCount\x12\x17\n\x0f\x65xpand_rollouts\x18\x07 \x03(\x05\x12\x11\n\tmax_turns\x18\x08 \x01(\x05\x12\x16\n\x0e\x65xpected_value\x18\t \x01(\x01\x12,\n\x07history\x18\n \x01(\x0b\x32\x1b.leap.reward.v1.TaskHistory\x12\x0c\n\x04rule\x18\x0b \x01(\t\"\x9d\x01\n\x0bGateSummary\x12\x0e\n\x06groups\x18\x01 \x01(\x05\x12\x0e\n\x06simple\x18\x02 \x01(\x05\x12\x14\n\x0c\x63\x61tastrophic\x18\x03 \x01(\x05\x12\x10\n\x08\x65xpanded\x18\x04 \x01(\x05\x12\x13\n\x0bover_budget\x18\x05 \x01(\x05\x12\x16\n\x0e\x65xpanded_share\x18\x06 \x01(\x01\x12\x19\n\x11\x65valuations_saved\x18\x07 \x01(\x03\"\x7f\n\x0cGateResponse\x12/\n\tdecisions\x18\x01 \x03(\x0b\x32\x1c.leap.reward.v1.GateDecision\x12,\n\x07summary\x18\x02 \x01(\x0b\x32\x1b.leap.reward.v1.GateSummary\x12\x10\n\x08replayed\x18\x03 \x01(\x08\"n\n\nTurnResult\x12$\n\x05stage\x18\x01 \x01(\x0e\x32\x15.leap.common.v1.Stage\x12\x14\n\x07speedup\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x03\x42\n\n\x08_speedup\"7\n\nTrajectory\x12)\n\x05turns\x18\x01 \x03(\x0b\x32\x1a.leap.reward.v1.TurnResult\"N\n\tRankGroup\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x30\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1a.leap.reward.v1.Trajectory\"\x8e\x02\n\nRankConfig\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.leap.reward.v1.RewardMethod\x12\x1b\n\x0espeedup_margin\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0ctoken_margin\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rturn_discount\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x16\n\x0einclude_matrix\x18\x05 \x01(\x08\x12\x1c\n\x0f\x66\x61ilure_penalty\x18\x06 \x01(\x01H\x03\x88\x01\x01\x42\x11\n\x0f_speedup_marginB\x0f\n\r_token_marginB\x10\n\x0e_turn_discountB\x12\n\x10_failure_penalty\"d\n\x0bRankRequest\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.leap.reward.v1.RankGroup\x12*\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1a.leap.reward.v1.RankConfig\"z\n\x10TrajectoryReward\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x11\n\tadvantage\x18\x02 \x01(\x01\x12\x0c\n\x04wins\x18\x03 \x01(\x05\x12\x0e\n\x06losses\x18\x04 \x01(\x05\x12\x0c\n\x04ties\x18\x05 \x01(\x05\x12\x17\n\x0fturn_advantages\x18\x06 \x03(\x01\"m\n\nRankResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x36\n\x0ctrajectories\x18\x02 \x03(\x0b\x32 .leap.reward.v1.TrajectoryReward\x12\x16\n\x0eoutcome_matrix\x18\x03 \x03(\x11\";\n\x0cRankResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.leap.reward.v1.RankResult\")\n\x15GetTaskHistoryRequest\x12\x10\n\x08task_ids\x18\x01 \x03(\t\"H\n\x16GetTaskHistoryResponse\x12.\n\thistories\x18\x01 \x03(\x0b\x32\x1b.leap.reward.v1.TaskHistory\"\x11\n\x0fGetStatsRequest\"*\n\tHistogram\x12\r\n\x05\x65\x64ges\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x03\"\xba\x04\n\x10GetStatsResponse\x12\x14\n\x0cgroups_gated\x18\x01 \x01(\x03\x12\x0e\n\x06simple\x18\x02 \x01(\x03\x12\x14\n\x0c\x63\x61tastrophic\x18\x03 \x01(\x03\x12\x10\n\x08\x65xpanded\x18\x04 \x01(\x03\x12\x13\n\x0bover_budget\x18\x05 \x01(\x03\x12\x16\n\x0e\x65xpanded_share\x18\x06 \x01(\x01\x12\x19\n\x11\x65valuations_saved\x18\x07 \x01(\x03\x12T\n\x13\x64\x65\x63isions_by_reason\x18\x08 \x03(\x0b\x32\x37.leap.reward.v1.GetStatsResponse.DecisionsByReasonEntry\x12\x1b\n\x13trajectories_ranked\x18\t \x01(\x03\x12\x33\n\x10reward_histogram\x18\n \x01(\x0b\x32\x19.leap.reward.v1.Histogram\x12\x15\n\rgroups_ranked\x18\x0b \x01(\x03\x12Z\n\x16trajectories_by_method\x18\x0c \x03(\x0b\x32:.leap.reward.v1.GetStatsResponse.TrajectoriesByMethodEntry\x1a\x38\n\x16\x44\x65\x63isionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a;\n\x19TrajectoriesByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*m\n\x08GateMode\x12\x19\n\x15GATE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10GATE_MODE_STATIC\x10\x01\x12\x16\n\x12GATE_MODE_ADAPTIVE\x10\x02\x12\x18\n\x14GATE_MODE_EXPAND_ALL\x10\x03*\x83\x01\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45\x43ISION_SIMPLE\x10\x01\x12\x19\n\x15\x44\x45\x43ISION_CATASTROPHIC\x10\x02\x12\x13\n\x0f\x44\x45\x43ISION_EXPAND\x10\x03\x12\x18\n\x14\x44\x45\x43ISION_OVER_BUDGET\x10\x04*\x84\x01\n\x0cRewardMethod\x12\x1d\n\x19REWARD_METHOD_UNSPECIFIED\x10\x00\x12\x1c\n\x18REWARD_METHOD_TOURNAMENT\x10\x01\x12\x18\n\x14REWARD_METHOD_BINARY\x10\x02\x12\x1d\n\x19REWARD_METHOD_LOG_SPEEDUP\x10\x03\x32\xc5\x02\n\rRewardService\x12\x41\n\x04Gate\x12\x1b.leap.reward.v1.GateRequest\x1a\x1c.leap.reward.v1.GateResponse\x12\x41\n\x04Rank\x12\x1b.leap.reward.v1.RankRequest\x1a\x1c.leap.reward.v1.RankResponse\x12_\n\x0eGetTaskHistory\x12%.leap.reward.v1.GetTaskHistoryRequest\x1a&.leap.reward.v1.GetTaskHistoryResponse\x12M\n\x08GetStats\x12\x1f.leap.reward.v1.GetStatsRequest\x1a .leap.reward.v1.GetStatsResponseBZ\n\x0eleap.reward.v1B\x0bRewardProtoP\x01Z(leapsuite/gen/go/leap/reward/v1;rewardv1\xaa\x02\x0eLeap.Reward.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bleap/reward/v1/reward.proto\x12\x0eleap.reward.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1bleap/common/v1/common.proto\"W\n\rRolloutResult\x12$\n\x05stage\x18\x01 \x01(\x0e\x32\x15.leap.common.v1.Stage\x12\x14\n\x07speedup\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_speedup\"M\n\tGateGroup\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12/\n\x08rollouts\x18\x02 \x03(\x0b\x32\x1d.leap.reward.v1.RolloutResult\"\xc5\x02\n\nGateConfig\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.leap.reward.v1.GateMode\x12\x1d\n\x10simple_threshold\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x31\n\x12\x63\x61tastrophic_stage\x18\x03 \x01(\x0e\x32\x15.leap.common.v1.Stage\x12\x1a\n\x12never_solved_after\x18\x04 \x01(\x05\x12\x11\n\tmax_turns\x18\x05 \x01(\x05\x12\x1a\n\rexpand_budget\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rhistory_decay\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x1d\n\x15improve_below_speedup\x18\x08 \x01(\x01\x42\x13\n\x11_simple_thresholdB\x10\n\x0e_expand_budgetB\x10\n\x0e_history_decay\"\x8e\x01\n\x0bGateRequest\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.leap.reward.v1.GateGroup\x12*\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1a.leap.reward.v1.GateConfig\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\"A\n\nStageCount\x12$\n\x05stage\x18\x01 \x01(\x0e\x32\x15.leap.common.v1.Stage\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"\x98\x01\n\x0bTaskHistory\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rema_pass_rate\x18\x02 \x01(\x01\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x03\x12\x0e\n\x06solves\x18\x04 \x01(\x03\x12\x0e\n\x06groups\x18\x05 \x01(\x03\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb6\x02\n\x0cGateDecision\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12*\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x18.leap.reward.v1.Decision\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x05\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12\x33\n\x0fstage_histogram\x18\x06 \x03(\x0b\x32\x1a.leap.reward.v1.StageCount\x12\x17\n\x0f\x65xpand_rollouts\x18\x07 \x03(\x05\x12\x11\n\tmax_turns\x18\x08 \x01(\x05\x12\x16\n\x0e\x65xpected_value\x18\t \x01(\x01\x12,\n\x07history\x18\n \x01(\x0b\x32\x1b.leap.reward.v1.TaskHistory\x12\x0c\n\x04rule\x18\x0b \x01(\t\"\x9d\x01\n\x0bGateSummary\x12\x0e\n\x06groups\x18\x01 \x01(\x05\x12\x0e\n\x06simple\x18\x02 \x01(\x05\x12\x14\n\x0c\x63\x61tastrophic\x18\x03 \x01(\x05\x12\x10\n\x08\x65xpanded\x18\x04 \x01(\x05\x12\x13\n\x0bover_budget\x18\x05 \x01(\x05\x12\x16\n\x0e\x65xpanded_share\x18\x06 \x01(\x01\x12\x19\n\x11\x65valuations_saved\x18\x07 \x01(\x03\"\x7f\n\x0cGateResponse\x12/\n\tdecisions\x18\x01 \x03(\x0b\x32\x1c.leap.reward.v1.GateDecision\x12,\n\x07summary\x18\x02 \x01(\x0b\x32\x1b.leap.reward.v1.GateSummary\x12\x10\n\x08replayed\x18\x03 \x01(\x08\"\xdd\x01\n\nTurnResult\x12$\n\x05stage\x18\x01 \x01(\x0e\x32\x15.leap.common.v1.Stage\x12\x14\n\x07speedup\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x03\x12\x18\n\x0bspeedup_low\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cspeedup_high\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fspeedup_flagged\x18\x06 \x01(\x08\x42\n\n\x08_speedupB\x0e\n\x0c_speedup_lowB\x0f\n\r_speedup_high\"7\n\nTrajectory\x12)\n\x05turns\x18\x01 \x03(\x0b\x32\x1a.leap.reward.v1.TurnResult\"N\n\tRankGroup\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x30\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x1a.leap.reward.v1.Trajectory\"\x8e\x02\n\nRankConfig\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.leap.reward.v1.RewardMethod\x12\x1b\n\x0espeedup_margin\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0ctoken_margin\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rturn_discount\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x16\n\x0einclude_matrix\x18\x05 \x01(\x08\x12\x1c\n\x0f\x66\x61ilure_penalty\x18\x06 \x01(\x01H\x03\x88\x01\x01\x42\x11\n\x0f_speedup_marginB\x0f\n\r_token_marginB\x10\n\x0e_turn_discountB\x12\n\x10_failure_penalty\"d\n\x0bRankRequest\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.leap.reward.v1.RankGroup\x12*\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1a.leap.reward.v1.RankConfig\"z\n\x10TrajectoryReward\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x11\n\tadvantage\x18\x02 \x01(\x01\x12\x0c\n\x04wins\x18\x03 \x01(\x05\x12\x0e\n\x06losses\x18\x04 \x01(\x05\x12\x0c\n\x04ties\x18\x05 \x01(\x05\x12\x17\n\x0fturn_advantages\x18\x06 \x03(\x01\"m\n\nRankResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x36\n\x0ctrajectories\x18\x02 \x03(\x0b\x32 .leap.reward.v1.TrajectoryReward\x12\x16\n\x0eoutcome_matrix\x18\x03 \x03(\x11\";\n\x0cRankResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.leap.reward.v1.RankResult\")\n\x15GetTaskHistoryRequest\x12\x10\n\x08task_ids\x18\x01 \x03(\t\"H\n\x16GetTaskHistoryResponse\x12.\n\thistories\x18\x01 \x03(\x0b\x32\x1b.leap.reward.v1.TaskHistory\"\x11\n\x0fGetStatsRequest\"*\n\tHistogram\x12\r\n\x05\x65\x64ges\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x03\"\xba\x04\n\x10GetStatsResponse\x12\x14\n\x0cgroups_gated\x18\x01 \x01(\x03\x12\x0e\n\x06simple\x18\x02 \x01(\x03\x12\x14\n\x0c\x63\x61tastrophic\x18\x03 \x01(\x03\x12\x10\n\x08\x65xpanded\x18\x04 \x01(\x03\x12\x13\n\x0bover_budget\x18\x05 \x01(\x03\x12\x16\n\x0e\x65xpanded_share\x18\x06 \x01(\x01\x12\x19\n\x11\x65valuations_saved\x18\x07 \x01(\x03\x12T\n\x13\x64\x65\x63isions_by_reason\x18\x08 \x03(\x0b\x32\x37.leap.reward.v1.GetStatsResponse.DecisionsByReasonEntry\x12\x1b\n\x13trajectories_ranked\x18\t \x01(\x03\x12\x33\n\x10reward_histogram\x18\n \x01(\x0b\x32\x19.leap.reward.v1.Histogram\x12\x15\n\rgroups_ranked\x18\x0b \x01(\x03\x12Z\n\x16trajectories_by_method\x18\x0c \x03(\x0b\x32:.leap.reward.v1.GetStatsResponse.TrajectoriesByMethodEntry\x1a\x38\n\x16\x44\x65\x63isionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a;\n\x19TrajectoriesByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*m\n\x08GateMode\x12\x19\n\x15GATE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10GATE_MODE_STATIC\x10\x01\x12\x16\n\x12GATE_MODE_ADAPTIVE\x10\x02\x12\x18\n\x14GATE_MODE_EXPAND_ALL\x10\x03*\x83\x01\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45\x43ISION_SIMPLE\x10\x01\x12\x19\n\x15\x44\x45\x43ISION_CATASTROPHIC\x10\x02\x12\x13\n\x0f\x44\x45\x43ISION_EXPAND\x10\x03\x12\x18\n\x14\x44\x45\x43ISION_OVER_BUDGET\x10\x04*\x84\x01\n\x0cRewardMethod\x12\x1d\n\x19REWARD_METHOD_UNSPECIFIED\x10\x00\x12\x1c\n\x18REWARD_METHOD_TOURNAMENT\x10\x01\x12\x18\n\x14REWARD_METHOD_BINARY\x10\x02\x12\x1d\n\x19REWARD_METHOD_LOG_SPEEDUP\x10\x03\x32\xc5\x02\n\rRewardService\x12\x41\n\x04Gate\x12\x1b.leap.reward.v1.GateRequest\x1a\x1c.leap.reward.v1.GateResponse\x12\x41\n\x04Rank\x12\x1b.leap.reward.v1.RankRequest\x1a\x1c.leap.reward.v1.RankResponse\x12_\n\x0eGetTaskHistory\x12%.leap.reward.v1.GetTaskHistoryRequest\x1a&.leap.reward.v1.GetTaskHistoryResponse\x12M\n\x08GetStats\x12\x1f.leap.reward.v1.GetStatsRequest\x1a .leap.reward.v1.GetStatsResponseBZ\n\x0eleap.reward.v1B\x0bRewardProtoP\x01Z(leapsuite/gen/go/leap/reward/v1;rewardv1\xaa\x02\x0eLeap.Reward.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,12 +38,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSRESPONSE_DECISIONSBYREASONENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATSRESPONSE_TRAJECTORIESBYMETHODENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_TRAJECTORIESBYMETHODENTRY']._serialized_options = b'8\001'
-  _globals['_GATEMODE']._serialized_start=3247
-  _globals['_GATEMODE']._serialized_end=3356
-  _globals['_DECISION']._serialized_start=3359
-  _globals['_DECISION']._serialized_end=3490
-  _globals['_REWARDMETHOD']._serialized_start=3493
-  _globals['_REWARDMETHOD']._serialized_end=3625
+  _globals['_GATEMODE']._serialized_start=3359
+  _globals['_GATEMODE']._serialized_end=3468
+  _globals['_DECISION']._serialized_start=3471
+  _globals['_DECISION']._serialized_end=3602
+  _globals['_REWARDMETHOD']._serialized_start=3605
+  _globals['_REWARDMETHOD']._serialized_end=3737
   _globals['_ROLLOUTRESULT']._serialized_start=109
   _globals['_ROLLOUTRESULT']._serialized_end=196
   _globals['_GATEGROUP']._serialized_start=198
@@ -62,36 +62,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GATESUMMARY']._serialized_end=1443
   _globals['_GATERESPONSE']._serialized_start=1445
   _globals['_GATERESPONSE']._serialized_end=1572
-  _globals['_TURNRESULT']._serialized_start=1574
-  _globals['_TURNRESULT']._serialized_end=1684
-  _globals['_TRAJECTORY']._serialized_start=1686
-  _globals['_TRAJECTORY']._serialized_end=1741
-  _globals['_RANKGROUP']._serialized_start=1743
-  _globals['_RANKGROUP']._serialized_end=1821
-  _globals['_RANKCONFIG']._serialized_start=1824
-  _globals['_RANKCONFIG']._serialized_end=2094
-  _globals['_RANKREQUEST']._serialized_start=2096
-  _globals['_RANKREQUEST']._serialized_end=2196
-  _globals['_TRAJECTORYREWARD']._serialized_start=2198
-  _globals['_TRAJECTORYREWARD']._serialized_end=2320
-  _globals['_RANKRESULT']._serialized_start=2322
-  _globals['_RANKRESULT']._serialized_end=2431
-  _globals['_RANKRESPONSE']._serialized_start=2433
-  _globals['_RANKRESPONSE']._serialized_end=2492
-  _globals['_GETTASKHISTORYREQUEST']._serialized_start=2494
-  _globals['_GETTASKHISTORYREQUEST']._serialized_end=2535
-  _globals['_GETTASKHISTORYRESPONSE']._serialized_start=2537
-  _globals['_GETTASKHISTORYRESPONSE']._serialized_end=2609
-  _globals['_GETSTATSREQUEST']._serialized_start=2611
-  _globals['_GETSTATSREQUEST']._serialized_end=2628
-  _globals['_HISTOGRAM']._serialized_start=2630
-  _globals['_HISTOGRAM']._serialized_end=2672
-  _globals['_GETSTATSRESPONSE']._serialized_start=2675
-  _globals['_GETSTATSRESPONSE']._serialized_end=3245
-  _globals['_GETSTATSRESPONSE_DECISIONSBYREASONENTRY']._serialized_start=3128
-  _globals['_GETSTATSRESPONSE_DECISIONSBYREASONENTRY']._serialized_end=3184
-  _globals['_GETSTATSRESPONSE_TRAJECTORIESBYMETHODENTRY']._serialized_start=3186
-  _globals['_GETSTATSRESPONSE_TRAJECTORIESBYMETHODENTRY']._serialized_end=3245
-  _globals['_REWARDSERVICE']._serialized_start=3628
-  _globals['_REWARDSERVICE']._serialized_end=3953
+  _globals['_TURNRESULT']._serialized_start=1575
+  _globals['_TURNRESULT']._serialized_end=1796
+  _globals['_TRAJECTORY']._serialized_start=1798
+  _globals['_TRAJECTORY']._serialized_end=1853
+  _globals['_RANKGROUP']._serialized_start=1855
+  _globals['_RANKGROUP']._serialized_end=1933
+  _globals['_RANKCONFIG']._serialized_start=1936
+  _globals['_RANKCONFIG']._serialized_end=2206
+  _globals['_RANKREQUEST']._serialized_start=2208
+  _globals['_RANKREQUEST']._serialized_end=2308
+  _globals['_TRAJECTORYREWARD']._serialized_start=2310
+  _globals['_TRAJECTORYREWARD']._serialized_end=2432
+  _globals['_RANKRESULT']._serialized_start=2434
+  _globals['_RANKRESULT']._serialized_end=2543
+  _globals['_RANKRESPONSE']._serialized_start=2545
+  _globals['_RANKRESPONSE']._serialized_end=2604
+  _globals['_GETTASKHISTORYREQUEST']._serialized_start=2606
+  _globals['_GETTASKHISTORYREQUEST']._serialized_end=2647
+  _globals['_GETTASKHISTORYRESPONSE']._serialized_start=2649
+  _globals['_GETTASKHISTORYRESPONSE']._serialized_end=2721
+  _globals['_GETSTATSREQUEST']._serialized_start=2723
+  _globals['_GETSTATSREQUEST']._serialized_end=2740
+  _globals['_HISTOGRAM']._serialized_start=2742
+  _globals['_HISTOGRAM']._serialized_end=2784
+  _globals['_GETSTATSRESPONSE']._serialized_start=2787
+  _globals['_GETSTATSRESPONSE']._serialized_end=3357
+  _globals['_GETSTATSRESPONSE_DECISIONSBYREASONENTRY']._serialized_start=3240
+  _globals['_GETSTATSRESPONSE_DECISIONSBYREASONENTRY']._serialized_end=3296
+  _globals['_GETSTATSRESPONSE_TRAJECTORIESBYMETHODENTRY']._serialized_start=3298
+  _globals['_GETSTATSRESPONSE_TRAJECTORIESBYMETHODENTRY']._serialized_end=3357
+  _globals['_REWARDSERVICE']._serialized_start=3740
+  _globals['_REWARDSERVICE']._serialized_end=4065
 # @@protoc_insertion_point(module_scope)

@@ -114,10 +114,11 @@ class _RewardMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardMe
     REWARD_METHOD_TOURNAMENT: _RewardMethod.ValueType  # 1
     """Lexicographic pairwise tournament; reward (wins - losses) / (G - 1) used as advantage.
     i beats j when solved at an earlier turn, or solved where j is not, or (both unsolved)
-    it reached a later stage; else, both solved at the same turn, when both are timed and
-    i's speedup exceeds j's by more than speedup_margin; else when j generated more than
-    (1 + token_margin) times i's tokens. Two unsolved at the same stage tie (no length
-    tie-break among failures).
+    it reached a later stage; else, both solved at the same turn, when both are timed (a
+    flagged speedup is not timed: TurnResult.speedup_flagged), i's speedup exceeds j's by
+    more than speedup_margin, and, where both carry intervals, i's interval lies above j's;
+    else when j generated more than (1 + token_margin) times i's tokens. Two unsolved at the
+    same stage tie (no length tie-break among failures).
     """
     REWARD_METHOD_BINARY: _RewardMethod.ValueType  # 2
     """1 when solved, else 0; advantages group-normalized (standard GRPO):
@@ -136,10 +137,11 @@ REWARD_METHOD_UNSPECIFIED: RewardMethod.ValueType  # 0
 REWARD_METHOD_TOURNAMENT: RewardMethod.ValueType  # 1
 """Lexicographic pairwise tournament; reward (wins - losses) / (G - 1) used as advantage.
 i beats j when solved at an earlier turn, or solved where j is not, or (both unsolved)
-it reached a later stage; else, both solved at the same turn, when both are timed and
-i's speedup exceeds j's by more than speedup_margin; else when j generated more than
-(1 + token_margin) times i's tokens. Two unsolved at the same stage tie (no length
-tie-break among failures).
+it reached a later stage; else, both solved at the same turn, when both are timed (a
+flagged speedup is not timed: TurnResult.speedup_flagged), i's speedup exceeds j's by
+more than speedup_margin, and, where both carry intervals, i's interval lies above j's;
+else when j generated more than (1 + token_margin) times i's tokens. Two unsolved at the
+same stage tie (no length tie-break among failures).
 """
 REWARD_METHOD_BINARY: RewardMethod.ValueType  # 2
 """1 when solved, else 0; advantages group-normalized (standard GRPO):
@@ -580,6 +582,9 @@ class TurnResult(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     SPEEDUP_FIELD_NUMBER: _builtins.int
     GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEEDUP_LOW_FIELD_NUMBER: _builtins.int
+    SPEEDUP_HIGH_FIELD_NUMBER: _builtins.int
+    SPEEDUP_FLAGGED_FIELD_NUMBER: _builtins.int
     stage: _common_pb2.Stage.ValueType
     """Stage reached. Required."""
     speedup: _builtins.float
@@ -591,20 +596,47 @@ class TurnResult(_message.Message):
     """
     generated_tokens: _builtins.int
     """Tokens the model generated in this turn. Must be >= 0."""
+    speedup_low: _builtins.float
+    """Lower end of the speedup's confidence interval (the sandbox's Verdict.speedup_low).
+    With the interval set on both turns of a speed comparison, the faster one wins on speed
+    only where the intervals separate (its lower end above the other's upper end), besides
+    the margin; unset on either side, the margin alone decides. Finite, >= 0 and at most
+    `speedup`; read only with `speedup` and `speedup_high`.
+    """
+    speedup_high: _builtins.float
+    """Upper end of that interval (Verdict.speedup_high): finite and at least `speedup`."""
+    speedup_flagged: _builtins.bool
+    """The sandbox flagged this turn's timing (VERDICT_FLAG_SUSPICIOUS_SPEEDUP or
+    VERDICT_FLAG_TIMING_UNRELIABLE): its speedup earns no speed credit, read exactly as if it
+    were unset (no speed tie-break for this turn; log-speedup counts the solve as speedup 1).
+    Its stage counts as usual.
+    """
     def __init__(
         self,
         *,
         stage: _common_pb2.Stage.ValueType = ...,
         speedup: _builtins.float | None = ...,
         generated_tokens: _builtins.int = ...,
+        speedup_low: _builtins.float | None = ...,
+        speedup_high: _builtins.float | None = ...,
+        speedup_flagged: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speedup", b"_speedup", "speedup", b"speedup"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_speedup", b"_speedup", "_speedup_high", b"_speedup_high", "_speedup_low", b"_speedup_low", "speedup", b"speedup", "speedup_high", b"speedup_high", "speedup_low", b"speedup_low"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speedup", b"_speedup", "generated_tokens", b"generated_tokens", "speedup", b"speedup", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speedup", b"_speedup", "_speedup_high", b"_speedup_high", "_speedup_low", b"_speedup_low", "generated_tokens", b"generated_tokens", "speedup", b"speedup", "speedup_flagged", b"speedup_flagged", "speedup_high", b"speedup_high", "speedup_low", b"speedup_low", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__speedup: _TypeAlias = _typing.Literal["speedup"]  # noqa: Y015
     _WhichOneofArgType__speedup: _TypeAlias = _typing.Literal["_speedup", b"_speedup"]  # noqa: Y015
+    _WhichOneofReturnType__speedup_high: _TypeAlias = _typing.Literal["speedup_high"]  # noqa: Y015
+    _WhichOneofArgType__speedup_high: _TypeAlias = _typing.Literal["_speedup_high", b"_speedup_high"]  # noqa: Y015
+    _WhichOneofReturnType__speedup_low: _TypeAlias = _typing.Literal["speedup_low"]  # noqa: Y015
+    _WhichOneofArgType__speedup_low: _TypeAlias = _typing.Literal["_speedup_low", b"_speedup_low"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__speedup) -> _WhichOneofReturnType__speedup | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speedup_high) -> _WhichOneofReturnType__speedup_high | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speedup_low) -> _WhichOneofReturnType__speedup_low | None: ...
 
 Global___TurnResult: _TypeAlias = TurnResult  # noqa: Y015
 

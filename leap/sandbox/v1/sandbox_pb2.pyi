@@ -36,9 +36,9 @@ class _CheckEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Check.ValueType
     CHECK_FRESH_INPUTS: _Check.ValueType  # 3
     """Draw fresh inputs for every correctness trial."""
     CHECK_ALTERNATE_ORDER: _Check.ValueType  # 4
-    """Alternate the order of reference and candidate between timed trials. It applies where
-    both are timed in the candidate's process (the cpu toolchain); on cuda and kernelbench
-    the reference is timed once per task, size and device in a process of its own.
+    """Alternate the order of reference and candidate between timed runs: the reference runs
+    first in even pairs of runs, the candidate first in odd ones (every toolchain; both are
+    timed in the same session, each in a process of its own).
     """
     CHECK_DEVICE_SYNC: _Check.ValueType  # 5
     """Synchronize the device inside the timed region, so side-stream work counts (cuda, and
@@ -65,9 +65,9 @@ CHECK_INPUT_MUTATION: Check.ValueType  # 2
 CHECK_FRESH_INPUTS: Check.ValueType  # 3
 """Draw fresh inputs for every correctness trial."""
 CHECK_ALTERNATE_ORDER: Check.ValueType  # 4
-"""Alternate the order of reference and candidate between timed trials. It applies where
-both are timed in the candidate's process (the cpu toolchain); on cuda and kernelbench
-the reference is timed once per task, size and device in a process of its own.
+"""Alternate the order of reference and candidate between timed runs: the reference runs
+first in even pairs of runs, the candidate first in odd ones (every toolchain; both are
+timed in the same session, each in a process of its own).
 """
 CHECK_DEVICE_SYNC: Check.ValueType  # 5
 """Synchronize the device inside the timed region, so side-stream work counts (cuda, and
@@ -94,7 +94,11 @@ class _VerdictFlagEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VerdictFl
     VERDICT_FLAG_SUSPICIOUS_SPEEDUP: _VerdictFlag.ValueType  # 1
     """Speedup above the service's bound (default 10x): likely a measurement or hacking problem."""
     VERDICT_FLAG_TIMING_UNRELIABLE: _VerdictFlag.ValueType  # 2
-    """Timing taken while the device was throttled, even after one retime."""
+    """The speedup cannot be trusted: its confidence interval stayed wider than the service's
+    bound after the most timed runs it allows (a noisy machine), or the device was
+    throttled during the timing even after one retime. Like SUSPICIOUS_SPEEDUP, it earns no
+    speed credit in the reward service's tournament.
+    """
     VERDICT_FLAG_NO_DEVICE: _VerdictFlag.ValueType  # 3
     """The code compiled but no device to run it is present (for example cuda without a GPU);
     the run stage was not attempted, and no result is made up.
@@ -143,7 +147,11 @@ VERDICT_FLAG_UNSPECIFIED: VerdictFlag.ValueType  # 0
 VERDICT_FLAG_SUSPICIOUS_SPEEDUP: VerdictFlag.ValueType  # 1
 """Speedup above the service's bound (default 10x): likely a measurement or hacking problem."""
 VERDICT_FLAG_TIMING_UNRELIABLE: VerdictFlag.ValueType  # 2
-"""Timing taken while the device was throttled, even after one retime."""
+"""The speedup cannot be trusted: its confidence interval stayed wider than the service's
+bound after the most timed runs it allows (a noisy machine), or the device was
+throttled during the timing even after one retime. Like SUSPICIOUS_SPEEDUP, it earns no
+speed credit in the reward service's tournament.
+"""
 VERDICT_FLAG_NO_DEVICE: VerdictFlag.ValueType  # 3
 """The code compiled but no device to run it is present (for example cuda without a GPU);
 the run stage was not attempted, and no result is made up.
@@ -335,15 +343,19 @@ class EvaluateOptions(_message.Message):
     timing: _builtins.bool
     """Whether to time a correct candidate against the reference. Default true when unset."""
     timing_trials: _builtins.int
-    """Timed trials for each of candidate and reference. Default: the service's (10)."""
+    """Timed runs of each of candidate and reference, at least (they run in pairs on the same
+    fresh inputs; more pairs are added until the speedup's interval is narrow, up to the
+    service's budget). Default: the service's (10).
+    """
     warmup_runs: _builtins.int
     """Untimed warm-up runs before timing. Default: the service's (2)."""
     seed: _builtins.int
     """Seed of the input generator. Default 0."""
     stage_timeout_seconds: _builtins.float
     """Wall-clock limit of each stage (the compile, and each run phase: loading, each
-    correctness trial, the timed runs), in seconds. Default: the service's. A candidate
-    past it is killed: STAGE_RUN (or STAGE_COMPILE) with VERDICT_FLAG_TIMEOUT.
+    correctness trial, each timed run), in seconds. Default: the service's. A candidate
+    past it is killed: STAGE_RUN (or STAGE_COMPILE) with VERDICT_FLAG_TIMEOUT. Finite, in
+    [0, 3600], and at least a millisecond when set; anything else is INVALID_ARGUMENT.
     """
     compiler: _builtins.str
     """Compiler to use: "g++" or "clang++" for cpu, "nvcc" for cuda; none for kernelbench.
@@ -614,7 +626,9 @@ Global___Mismatch: _TypeAlias = Mismatch  # noqa: Y015
 
 @_typing.final
 class TimingStats(_message.Message):
-    """Statistics of repeated timed runs, in milliseconds."""
+    """Statistics of repeated timed runs, in milliseconds per call (a timed run is a batch of
+    `Verdict.calls_per_run` calls, each on inputs of its own).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -679,6 +693,10 @@ class Verdict(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     WALL_SECONDS_FIELD_NUMBER: _builtins.int
     SOURCE_SHA256_FIELD_NUMBER: _builtins.int
+    SPEEDUP_LOW_FIELD_NUMBER: _builtins.int
+    SPEEDUP_HIGH_FIELD_NUMBER: _builtins.int
+    CALLS_PER_RUN_FIELD_NUMBER: _builtins.int
+    TIMING_CLOCK_FIELD_NUMBER: _builtins.int
     candidate_id: _builtins.str
     """The candidate's label, echoed."""
     task_id: _builtins.str
@@ -704,7 +722,7 @@ class Verdict(_message.Message):
     runtime_error: _builtins.str
     """Runtime error (trimmed stderr, signal or exception), when the candidate stopped at RUN."""
     speedup: _builtins.float
-    """reference median / candidate median; 0 when not timed."""
+    """The median over pairs of runs of reference time / candidate time; 0 when not timed."""
     trials_passed: _builtins.int
     """Correctness trials that passed."""
     trials_run: _builtins.int
@@ -717,6 +735,23 @@ class Verdict(_message.Message):
     """Wall-clock seconds of the whole evaluation."""
     source_sha256: _builtins.str
     """SHA-256 (hex) of the extracted code, empty at FORMAT."""
+    speedup_low: _builtins.float
+    """Lower end of the 95% confidence interval of `speedup` (distribution-free, from the order
+    statistics of the paired ratios); 0 when not timed. Compare two verdicts' speeds only
+    where their intervals do not overlap.
+    """
+    speedup_high: _builtins.float
+    """Upper end of that interval; 0 when not timed."""
+    calls_per_run: _builtins.int
+    """Calls in each timed run, each on inputs of its own (as many as make a run last about the
+    service's timing_run_seconds); 0 when not timed.
+    """
+    timing_clock: _builtins.str
+    """What the timings measure: "cpu", the CPU time of each process (every thread of it, as
+    the kernel accounts it), used with one thread per candidate on a CPU, where a busy
+    machine's wait for a core is left out; or "wall", the wall clock from the command to the
+    completed stop (GPUs, several threads). Empty when not timed.
+    """
     @_builtins.property
     def compile(self) -> Global___CompileInfo:
         """The compile stage; absent when the candidate stopped at FORMAT."""
@@ -731,9 +766,10 @@ class Verdict(_message.Message):
 
     @_builtins.property
     def reference_timing(self) -> Global___TimingStats:
-        """The reference's timing on the same inputs and device: on cpu, NumPy timed in the
-        candidate's process, interleaved with it; on cuda, the task's PyTorch baseline, and on
-        kernelbench, the problem's Model, each timed once per task, size and device and reused.
+        """The reference's timing on the same inputs and device, in the same session, run by run
+        interleaved with the candidate's (each in a process of its own, timed by the same
+        clock): on cpu the task's NumPy reference, on cuda its PyTorch baseline, on kernelbench
+        the problem's Model.
         """
 
     @_builtins.property
@@ -766,10 +802,14 @@ class Verdict(_message.Message):
         device: _builtins.str = ...,
         wall_seconds: _builtins.float = ...,
         source_sha256: _builtins.str = ...,
+        speedup_low: _builtins.float = ...,
+        speedup_high: _builtins.float = ...,
+        calls_per_run: _builtins.int = ...,
+        timing_clock: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["candidate_timing", b"candidate_timing", "compile", b"compile", "mismatch", b"mismatch", "reference_timing", b"reference_timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate_id", b"candidate_id", "candidate_timing", b"candidate_timing", "compile", b"compile", "device", b"device", "flags", b"flags", "message", b"message", "mismatch", b"mismatch", "reference_timing", b"reference_timing", "runtime_error", b"runtime_error", "size", b"size", "source_sha256", b"source_sha256", "speedup", b"speedup", "stage", b"stage", "task_id", b"task_id", "telemetry", b"telemetry", "toolchain", b"toolchain", "trials_passed", b"trials_passed", "trials_run", b"trials_run", "wall_seconds", b"wall_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_per_run", b"calls_per_run", "candidate_id", b"candidate_id", "candidate_timing", b"candidate_timing", "compile", b"compile", "device", b"device", "flags", b"flags", "message", b"message", "mismatch", b"mismatch", "reference_timing", b"reference_timing", "runtime_error", b"runtime_error", "size", b"size", "source_sha256", b"source_sha256", "speedup", b"speedup", "speedup_high", b"speedup_high", "speedup_low", b"speedup_low", "stage", b"stage", "task_id", b"task_id", "telemetry", b"telemetry", "timing_clock", b"timing_clock", "toolchain", b"toolchain", "trials_passed", b"trials_passed", "trials_run", b"trials_run", "wall_seconds", b"wall_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

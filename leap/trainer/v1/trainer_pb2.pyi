@@ -74,6 +74,40 @@ LOSS_AGGREGATION_SEQ_MEAN_TOKEN_MEAN: LossAggregation.ValueType  # 2
 """Mean over sequences of each sequence's token mean."""
 Global___LossAggregation: _TypeAlias = LossAggregation  # noqa: Y015
 
+class _FlaggedVerdicts:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FlaggedVerdictsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FlaggedVerdicts.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FLAGGED_VERDICTS_UNSPECIFIED: _FlaggedVerdicts.ValueType  # 0
+    """Not set: FLAGGED_VERDICTS_NO_SPEED_CREDIT."""
+    FLAGGED_VERDICTS_NO_SPEED_CREDIT: _FlaggedVerdicts.ValueType  # 1
+    """It passed, and its speedup is not used: the reward service gets it flagged
+    (TurnResult.speedup_flagged), so it takes no part in the speed tie-break, and the gate
+    sees it untimed.
+    """
+    FLAGGED_VERDICTS_AS_FAILURE: _FlaggedVerdicts.ValueType  # 2
+    """It counts as a failure at STAGE_CORRECT (a wrong kernel): the rollout is unsolved and,
+    in an expanded group, gets the debugging turns a failure gets.
+    """
+
+class FlaggedVerdicts(_FlaggedVerdicts, metaclass=_FlaggedVerdictsEnumTypeWrapper):
+    """How a run treats a passing verdict whose timing the sandbox flagged."""
+
+FLAGGED_VERDICTS_UNSPECIFIED: FlaggedVerdicts.ValueType  # 0
+"""Not set: FLAGGED_VERDICTS_NO_SPEED_CREDIT."""
+FLAGGED_VERDICTS_NO_SPEED_CREDIT: FlaggedVerdicts.ValueType  # 1
+"""It passed, and its speedup is not used: the reward service gets it flagged
+(TurnResult.speedup_flagged), so it takes no part in the speed tie-break, and the gate
+sees it untimed.
+"""
+FLAGGED_VERDICTS_AS_FAILURE: FlaggedVerdicts.ValueType  # 2
+"""It counts as a failure at STAGE_CORRECT (a wrong kernel): the rollout is unsolved and,
+in an expanded group, gets the debugging turns a failure gets.
+"""
+Global___FlaggedVerdicts: _TypeAlias = FlaggedVerdicts  # noqa: Y015
+
 @_typing.final
 class ServiceAddresses(_message.Message):
     """Addresses of the services a learner talks to. Empty fields default to the local stack."""
@@ -230,6 +264,7 @@ class RunConfig(_message.Message):
     IMPORTANCE_CAP_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
     REPORT_TO_FIELD_NUMBER: _builtins.int
+    FLAGGED_VERDICTS_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Local Hugging Face model directory of the initial policy. Required."""
     policy_model: _builtins.str
@@ -280,6 +315,13 @@ class RunConfig(_message.Message):
     importance_cap: _builtins.float
     """Cap C of the truncated importance ratio of stale rollouts (max_staleness >= 1). Default
     2.0 when unset.
+    """
+    flagged_verdicts: Global___FlaggedVerdicts.ValueType
+    """What a passing verdict the sandbox flagged (VERDICT_FLAG_SUSPICIOUS_SPEEDUP: faster than
+    its bound; VERDICT_FLAG_TIMING_UNRELIABLE: its interval stayed wide) counts for. Either
+    way such verdicts are counted per step (metrics sandbox/flagged_suspicious and
+    sandbox/flagged_unreliable) and their rollouts kept, flags included, in the rollout log.
+    Default: FLAGGED_VERDICTS_NO_SPEED_CREDIT.
     """
     @_builtins.property
     def services(self) -> Global___ServiceAddresses:
@@ -366,10 +408,11 @@ class RunConfig(_message.Message):
         importance_cap: _builtins.float | None = ...,
         lora: _common_pb2.LoraConfig | None = ...,
         report_to: _abc.Iterable[_builtins.str] | None = ...,
+        flagged_verdicts: Global___FlaggedVerdicts.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "gate", b"gate", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__importance_cap: _TypeAlias = _typing.Literal["importance_cap"]  # noqa: Y015
     _WhichOneofArgType__importance_cap: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap"]  # noqa: Y015

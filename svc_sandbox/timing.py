@@ -1,0 +1,90 @@
+"""Pure functions of the timing stage: how long a timed run is, in what order candidate and
+reference run, when to stop repeating, and the speedup with its confidence interval.
+
+A *pair* is one timed run of the reference and one of the candidate on the same fresh
+inputs, back to back (reference first on even pairs, candidate first on odd ones, so neither
+always finds the caches and clocks the other one left). Its ratio is
+
+    r_i = t_reference_i / t_candidate_i
+
+and the speedup is the median of the ratios. Pairing cancels what the two runs share (a
+neighbour's burst of load, a clock change), and the median ignores a pair spoiled by a
+pre-emption. Its interval is distribution-free: with n ratios sorted, [r_(k), r_(n+1-k)]
+(1-based) with k the largest integer such that P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2
+covers the median with at least that confidence (with fewer than 6 pairs no k reaches 95%,
+and the interval is [min, max]).
+
+Pairs are added until the interval's relative width (high - low) / speedup is at most the
+target, or a budget of pairs or seconds is spent; then an interval wider than a second,
+looser bound is TIMING_UNRELIABLE.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def calls_per_run(seconds_per_call: float, target_seconds: float, most: int, slower_per_call: float = 0.0,
+                  longest_seconds: float = math.inf) -> int:
+    """Calls in one timed run so that the faster side's run lasts about `target_seconds` (the
+    fixed cost of starting and stopping a run, tens of microseconds, then hardly counts),
+    within [1, most], and the slower side's (`slower_per_call` each) at most `longest_seconds`."""
+    if seconds_per_call <= 0:
+        calls = most
+    else:
+        calls = math.ceil(target_seconds / seconds_per_call)
+    if slower_per_call > 0 and math.isfinite(longest_seconds):
+        calls = min(calls, math.floor(longest_seconds / slower_per_call))
+    return max(1, min(most, calls))
+
+
+def order(pair: int, alternate: bool) -> tuple[str, str]:
+    """Who runs first in pair `pair`."""
+    return ("reference", "candidate") if (not alternate or pair % 2 == 0) else ("candidate", "reference")
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(median, low, high): the median and its distribution-free confidence interval."""
+    if not values:
+        return 0.0, 0.0, 0.0
+    ordered = sorted(values)
+    n = len(ordered)
+    alpha = (1.0 - confidence) / 2
+    k, cumulative = 0, 0.0
+    while k < n:
+        # P(Binomial(n, 1/2) <= k), i.e. P(X < k + 1)
+        cumulative += math.comb(n, k) / 2 ** n
+        if cumulative > alpha:
+            break
+        k += 1
+    k = max(k, 1)  # k order statistics from each end are outside; at least the extremes are in
+    return statistics.median(ordered), ordered[k - 1], ordered[n - k]
+
+
+def relative_width(low: float, high: float, center: float) -> float:
+    return (high - low) / center if center > 0 else math.inf
+
+
+def ratios(reference: Sequence[float], candidate: Sequence[float]) -> list[float]:
+    """Per-pair reference / candidate (pairs with a non-positive candidate time are left out)."""
+    return [r / c for r, c in zip(reference, candidate) if c > 0 and r > 0]
+
+
+def should_stop(pairs: int, width: float, *, min_pairs: int, max_pairs: int, target_width: float,
+                elapsed: float, budget_seconds: float) -> bool:
+    """After at least `min_pairs` pairs (the request's timing_trials: always run), stop once
+    the interval is narrow enough, or the budget of pairs or seconds is spent."""
+    if pairs < min_pairs:
+        return False
+    return width <= target_width or pairs >= max_pairs or elapsed >= budget_seconds
+
+
+def excess(candidate: Sequence[float], reference: Sequence[float]) -> float:
+    """How much longer the candidate's untimed copies (cuda: staging inputs and fetching
+    outputs) took than the reference's identical ones, as a median over pairs, in seconds.
+    Work moved out of the timed region into those copies shows up here."""
+    if not candidate or not reference:
+        return 0.0
+    return statistics.median(c - r for c, r in zip(candidate, reference))
