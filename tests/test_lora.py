@@ -101,10 +101,13 @@ def test_an_adapter_push_changes_what_the_policy_serves_exactly_as_the_merged_we
 
     async def push():
         async_stub = connect("policy", server.address)
+        pushers = [WeightPusher(async_stub, "adapted"), WeightPusher(async_stub, "plain")]
         try:
-            a = await WeightPusher(async_stub, "adapted").push(1, adapter)
-            b = await WeightPusher(async_stub, "plain").push(1, merged)
+            a = await pushers[0].push(1, adapter)
+            b = await pushers[1].push(1, merged)
         finally:
+            for pusher in pushers:
+                await pusher.close()
             await async_stub.channel.close()
         return a, b
 

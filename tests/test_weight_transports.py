@@ -8,6 +8,7 @@ gets the stream."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 from pathlib import Path
@@ -109,6 +110,17 @@ def shared_request(model: str, version: int, state) -> tuple[policy_pb2.CommitWe
     return policy_pb2.CommitWeightsRequest(model=model, version=version, transport=tx.SHARED_MEMORY,
                                            shared_memory_name=shared.path.name, shared_memory_bytes=shared.size,
                                            tensors=entries), shared
+
+
+def test_a_segment_dropped_without_close_is_unlinked():
+    # A pusher a caller forgot to close (or an exception that skipped close) must not leave
+    # its object in /dev/shm for the life of the process: the collector unlinks it.
+    segment = tx.SharedSegment(Path("/dev/shm"), 4096)
+    path = segment.path
+    assert path.exists()
+    del segment
+    gc.collect()
+    assert not path.exists()
 
 
 def commit(stub, request):

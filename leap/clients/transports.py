@@ -41,6 +41,7 @@ import os
 import re
 import secrets
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -151,7 +152,8 @@ class SharedSegment:
     """One shared-memory object this process created (O_EXCL, 0600) and writes every push
     into: its pages stay allocated between pushes, so a push copies into warm memory (a
     fresh tmpfs page costs more to fault in than to copy on virtual machines). Unlinked by
-    `close`, or, if this process dies first, by the next writer's `sweep_leftovers`."""
+    `close`; by the garbage collector or at interpreter exit when a pusher is dropped without
+    one; and, if this process is killed first, by the next writer's `sweep_leftovers`."""
 
     def __init__(self, directory: Path, size: int):
         self.path = directory / shm_name()
@@ -166,6 +168,7 @@ class SharedSegment:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self.mapping, dtype=np.uint8)
+        self._unlink = weakref.finalize(self, _unlink, self.path)  # no reference to self: it can be collected
 
     def write(self, tensors: list[tuple[str, torch.Tensor]]) -> list[policy_pb2.TensorEntry]:
         """Copy every tensor in (each at an aligned offset), its CRC-32 computed block by
@@ -184,12 +187,16 @@ class SharedSegment:
         return entries
 
     def close(self) -> None:
-        self.path.unlink(missing_ok=True)
+        self._unlink()
         self.array = None  # type: ignore[assignment]
         try:
             self.mapping.close()
         except BufferError:  # a view still exported: the mapping goes with it
             pass
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
 
 
 def shared_size(tensors: list[tuple[str, torch.Tensor]]) -> int:
