@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from leap.learning import Learner, LearnerSettings, current_world, follow, release_followers  # noqa: E402
+from leap.learning.distributed import leave_process_group  # noqa: E402
 from tests.learning_cases import SETTINGS_KW, grpo_batch, run_steps  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def main(model_dir: str, out_dir: str) -> None:
     world = current_world()
     if not world.is_driver:
         follow()
-        torch.distributed.destroy_process_group()
+        leave_process_group()
         return
     out = Path(out_dir)
     learner = Learner(LearnerSettings(model_dir, **SETTINGS_KW))
@@ -46,7 +47,6 @@ def main(model_dir: str, out_dir: str) -> None:
         "resumed_step": state["step"], "resumed_updates": resumed_updates,
         "reloaded_equal": all(torch.equal(weights[k], again[k]) for k in weights),
     }))
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

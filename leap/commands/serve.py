@@ -98,7 +98,7 @@ def learner_driver(service: str = "", log_level: str = "info") -> bool:
     group; rank 0 serves and drives, the others replay its learner's calls (FSDP) until it
     shuts down, logging JSON lines as rank 0 does. Returns whether this process is rank 0
     (True with a single process)."""
-    from leap.learning.distributed import current_world
+    from leap.learning.distributed import current_world, leave_process_group
     from leap.learning.learner import follow
     from leap.runtime.logging import configure_logging, library_output_as_logs
 
@@ -108,4 +108,5 @@ def learner_driver(service: str = "", log_level: str = "info") -> bool:
     configure_logging(log_level, service=service)
     with library_output_as_logs():
         follow()
+    leave_process_group()
     return False

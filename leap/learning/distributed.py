@@ -118,6 +118,17 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def release_followers(world: World) -> None:
-    """Tell follower ranks to leave `leap.learning.learner.follow()` (rank 0, at shutdown)."""
+    """Tell follower ranks to leave `leap.learning.learner.follow()` (rank 0, at shutdown),
+    then leave the process group."""
     if world.distributed and world.is_driver:
         world.broadcast(("exit",))
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy this process's group before the interpreter exits: left to the interpreter's
+    teardown, gloo's threads can outlive their owner and the process dies with SIGABRT
+    ("terminate called without an active exception") after its work succeeded, which
+    torchrun reports as a failed launch."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
