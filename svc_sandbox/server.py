@@ -82,7 +82,9 @@ class SandboxConfig(ServerConfig):
     cache_max_bytes: int = option(2 << 30, "Size the compile cache is kept under (least recently used evicted), in bytes.")
     work_dir: str = option("", "Where candidates' working directories and the reference inputs live. Empty: a fresh "
                                "directory under the system temp dir, removed at shutdown.")
-    task_dirs: list[str] = option([], "Directories of KernelBench-style problems (Model, get_inputs, get_init_inputs) "
+    task_dirs: list[str] = option([], "Directories of KernelBench-style problems (Model, get_inputs, get_init_inputs), "
+                                      "or JSONL or Parquet files of them in KernelBench's dataset layout (code, name, "
+                                      "level; see leap.tasks.datasets), "
                                       "served as tasks of the kernelbench toolchain; comma-separated.")
     compile_timeout_seconds: float = option(60.0, "Wall-clock limit of a compile, in seconds.")
     run_timeout_seconds: float = option(30.0, "Wall-clock limit of each run phase of a candidate (loading, each "

@@ -19,7 +19,9 @@ The entry point is `extern "C" void <id>(inputs..., outputs..., sizes...)`: tens
 pointers to contiguous row-major buffers, sizes as int64_t, in the order of `arguments`.
 
 Directories of KernelBench-style problems (a Python module per problem with `Model`,
-`get_inputs` and `get_init_inputs`) load as tasks of the `kernelbench` toolchain.
+`get_inputs` and `get_init_inputs`) load as tasks of the `kernelbench` toolchain; so do the
+rows of a JSONL or Parquet file in KernelBench's dataset layout (`leap.tasks.datasets`). A
+problem may declare its tolerance (`ATOL = 1e-3`, `RTOL = 1e-3` at module level).
 
 Public API:
     load_suite(extra_dirs=()) -> list[Task]     every task, FULL view, sorted by id
@@ -34,6 +36,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import math
 import operator
 import re
 import tomllib
@@ -46,6 +49,7 @@ import numpy as np
 
 from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
+from leap.tasks import datasets
 
 SUITE_DIR = Path(__file__).resolve().parent / "suite"
 SPLITS = ("train", "heldout")
@@ -225,6 +229,19 @@ def _is_kernelbench_module(tree: ast.Module) -> bool:
     return {"Model", "get_inputs", "get_init_inputs"} <= names
 
 
+def _declared_tolerance(tree: ast.Module) -> tuple[float, float]:
+    """A problem's own `ATOL = ...` and `RTOL = ...` (number literals at module level, as a
+    dataset row's atol and rtol are written), else KernelBench's tolerance."""
+    declared = dict(zip(("ATOL", "RTOL"), KERNELBENCH_TOLERANCE))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and node.targets[0].id in declared and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, (int, float)) and not isinstance(node.value.value, bool) \
+                and math.isfinite(node.value.value) and node.value.value >= 0:
+            declared[node.targets[0].id] = float(node.value.value)
+    return declared["ATOL"], declared["RTOL"]
+
+
 @functools.lru_cache(maxsize=1024)
 def _kernelbench_task(root: Path, file: Path, _mtime_ns: int, _size: int) -> sandbox_pb2.Task | None:
     """The task of one problem file (None when it is not one); cached until the file changes."""
@@ -239,7 +256,7 @@ def _kernelbench_task(root: Path, file: Path, _mtime_ns: int, _size: int) -> san
     model = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Model")
     doc = (ast.get_docstring(model) or "").strip()
     statement = (doc + "\n" if doc else "") + "Write ModelNew, a faster drop-in replacement of Model with the same outputs."
-    atol, rtol = KERNELBENCH_TOLERANCE
+    atol, rtol = _declared_tolerance(tree)
     return sandbox_pb2.Task(
         id=_slug(str(relative)),
         title=relative.name,
@@ -276,7 +293,14 @@ def _kernelbench_dir(root: str) -> tuple[tuple[sandbox_pb2.Task, str], ...]:
 def _all(extra_dirs: Sequence[str | Path]) -> dict[str, tuple[sandbox_pb2.Task, str]]:
     tasks: dict[str, tuple[sandbox_pb2.Task, str]] = {t.id: (t, str(SUITE_DIR / t.id)) for t in _builtin()}
     for directory in extra_dirs:
-        for task, file in _kernelbench_dir(str(Path(directory).resolve())):
+        try:
+            root = datasets.as_directory(directory)  # a JSONL or Parquet file: its rows as a directory
+        except (datasets.DatasetError, OSError) as err:
+            raise TaskError(str(err)) from None
+        for task, file in _kernelbench_dir(root):
+            if root != str(Path(directory).resolve()):  # a dataset's task names its file, not the copy
+                task = _copy(task)
+                task.origin = str(Path(directory).resolve())
             if task.id in tasks:
                 raise TaskError(f"{file}: task id {task.id!r} is already taken by {tasks[task.id][1]}")
             tasks[task.id] = (task, file)
