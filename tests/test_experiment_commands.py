@@ -15,11 +15,15 @@ import pytest
 
 from tests.conftest import ROOT, subprocess_env
 
+# Whole stacks in subprocesses: minutes on 2 cores, more on a busy machine. The subprocess
+# limit stays under the test's, so a hang fails with the command's output, not a bare timeout.
+pytestmark = pytest.mark.timeout(1800)
+
 SMALL = ["--steps", "1", "--tasks-per-step", "2", "--group-size", "2", "--max-turns", "2", "--eval-samples", "1",
          "--quiet"]
 
 
-def leap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def leap(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "leap", *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
                           text=True, timeout=timeout)
 
