@@ -187,7 +187,7 @@ def test_runs_and_models_live_on_persistent_volumes():
         assert deployment["spec"]["strategy"] == {"type": "Recreate"}, "never two processes on one run directory"
 
 
-def test_only_the_sandbox_runs_as_root_with_exactly_sys_admin_and_no_pod_gets_api_credentials():
+def test_only_the_sandbox_runs_as_root_with_what_bubblewrap_needs_and_no_pod_gets_api_credentials():
     for name, deployment in objects("cpu", "Deployment").items():
         spec = pod_spec(deployment)
         assert spec["automountServiceAccountToken"] is False, name
@@ -195,8 +195,9 @@ def test_only_the_sandbox_runs_as_root_with_exactly_sys_admin_and_no_pod_gets_ap
             security = c["securityContext"]
             assert not security.get("privileged"), name
             if name == "sandbox":
-                assert security["runAsUser"] == 0 and security["capabilities"] == {"add": ["SYS_ADMIN"]}
+                assert security["runAsUser"] == 0 and security["capabilities"] == {"add": ["SYS_ADMIN", "NET_ADMIN"]}
                 assert security["appArmorProfile"] == {"type": "Unconfined"}
+                assert security["seccompProfile"] == {"type": "Unconfined"}  # pivot_root; candidates get the sandbox's own
             else:
                 assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
                 assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}
