@@ -18,6 +18,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import threadpoolctl
+
 from leap import tasks
 from leap.common.v1 import common_pb2
 from leap.runtime import (
@@ -44,6 +46,7 @@ from svc_sandbox.references import ReferenceStore
 from svc_sandbox.telemetry import Telemetry
 
 import grpc
+import threadpoolctl
 
 SERVICE_NAME = "leap.sandbox.v1.SandboxService"
 Toolchain = common_pb2.Toolchain
@@ -189,6 +192,10 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
 
     def _start(self) -> None:
         config = self.config
+        # The service's own NumPy (the oracle of built-in tasks, the checks) runs on one BLAS
+        # thread: OpenBLAS's threads keep spinning after each call, on the cores where the
+        # next candidate is being timed, and two workers' oracles would oversubscribe them.
+        threadpoolctl.threadpool_limits(limits=1, user_api="blas")
         workers = config.workers or available_cores()
         threads = config.threads_per_candidate or max(1, available_cores() // workers)
         work_dir = self._work_dir()

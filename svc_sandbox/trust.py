@@ -36,7 +36,8 @@ verdict rests on is each of these, and nothing else:
   none while timed (RLIMIT_NPROC) or is found and failed.
 - A reference timed in the same session: a process with no candidate code (the task's own
   reference) runs on the same inputs, interleaved run by run with the candidate, so both
-  see the same machine; the speedup is the median of the paired ratios, with a
+  see the same machine; the speedup is the median of the ratios of blocks of pairs (one of
+  each order, so which side runs first cancels), with a
   distribution-free interval (timing.py), repeated until the interval is narrow or the
   budget is spent, else TIMING_UNRELIABLE.
 - Sizes it cannot choose: every buffer's size comes from the task's signature (KernelBench:
@@ -463,13 +464,18 @@ class Measurement:
         # candidate's own empty runs are not used: it could make them slow and so look faster.
         empty = sorted(self.step(REFERENCE, GO, 0, 0) for _ in range(5))
         self.floor = empty[len(empty) // 2]
-        calls = 1
+        calls, warmed = 1, 1
         for warmup in range(options.warmup_runs):  # untimed for the verdict, checked like any run
             pair = self._pair(warmup, calls)
+            warmed = max(warmed, calls)
             faster, slower = sorted((pair.reference_seconds, pair.candidate_seconds))
             # the slower side's run keeps well inside its own time limit
             calls = timing.calls_per_run(faster, options.run_seconds, self.layout.slots, slower,
                                          options.run_timeout / 4)
+        if options.warmup_runs and calls > warmed:
+            # Slots no run has touched yet would cost each process its first-touch page faults
+            # inside its first timed run (measured: the first pair's candidate 28 us against 16).
+            self._pair(options.warmup_runs, calls)
         self.verdict.calls_per_run = calls
         pairs: list[Pair] = []
         started = time.monotonic()
@@ -479,7 +485,7 @@ class Measurement:
             width = timing.relative_width(low, high, center)
             if timing.should_stop(len(pairs), width, min_pairs=options.min_pairs, max_pairs=options.max_pairs,
                                   target_width=options.interval_width, elapsed=time.monotonic() - started,
-                                  budget_seconds=options.budget_seconds):
+                                  budget_seconds=options.budget_seconds, block=timing.block_size(options.alternate)):
                 return pairs
 
     def _pair(self, number: int, calls: int) -> Pair:
@@ -512,8 +518,9 @@ class Measurement:
                 raise _Stop()
 
     def _interval(self, pairs: Sequence[Pair]) -> tuple[float, float, float]:
-        ratios = timing.ratios([p.reference_seconds for p in pairs], [self._charged(p) for p in pairs])
-        center, low, high = timing.median_interval(ratios)
+        blocks = timing.block_ratios([p.reference_seconds for p in pairs], [self._charged(p) for p in pairs],
+                                     timing.block_size(self.options.alternate))
+        center, low, high = timing.median_interval(blocks)
         return low, high, center
 
     def _charged(self, pair: Pair) -> float:

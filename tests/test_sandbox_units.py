@@ -150,8 +150,25 @@ def test_the_speedup_interval_is_distribution_free():
     center, low, high = timing.median_interval(ratios)
     assert center == pytest.approx(1.45) and (low, high) == (1.1, 1.8)
     assert timing.median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
-    assert timing.ratios([2.0, 3.0, 1.0], [1.0, 0.0, 4.0]) == [2.0, 0.25]  # a zero time is left out
     assert timing.relative_width(0.9, 1.1, 1.0) == pytest.approx(0.2) and timing.relative_width(1, 2, 0) == math.inf
+
+
+def test_blocks_of_both_orders_cancel_an_order_effect():
+    # The side that runs second is 30% slower (the candidate) and 6% (the reference): per-pair
+    # ratios fall in two clusters (2.64 and 1.89); every block of one pair of each order has
+    # the same ratio, so the interval is a point.
+    reference = [31.5, 33.5] * 5
+    candidate = [16.5, 12.5] * 5
+    per_pair = timing.block_ratios(reference, candidate, 1)
+    assert min(per_pair) == pytest.approx(31.5 / 16.5) and max(per_pair) == pytest.approx(33.5 / 12.5)
+    blocks = timing.block_ratios(reference, candidate, timing.block_size(alternate=True))
+    assert blocks == pytest.approx([65.0 / 29.0] * 5)
+    center, low, high = timing.median_interval(blocks)
+    assert timing.relative_width(low, high, center) == pytest.approx(0.0)
+    assert timing.block_ratios(reference[:3], candidate[:3], 2) == pytest.approx([65.0 / 29.0])  # incomplete: left out
+    assert timing.block_ratios([2.0], [1.0], 2) == [2.0]  # fewer pairs than a block: each pair its own
+    assert timing.block_ratios([2.0, 3.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0], 2) == [5.0]  # a zero total is left out
+    assert timing.block_size(alternate=False) == 1
 
 
 def test_timed_runs_stop_at_a_narrow_interval_or_a_budget():
@@ -160,6 +177,8 @@ def test_timed_runs_stop_at_a_narrow_interval_or_a_budget():
     assert stop(5, 0.05, elapsed=0.1) and not stop(5, 0.3, elapsed=0.1)
     assert stop(20, 0.3, elapsed=0.1) and stop(7, 0.3, elapsed=2.5)
     assert not stop(2, 0.3, elapsed=2.5)  # the request's minimum always runs
+    assert not stop(5, 0.05, elapsed=0.1, block=2) and stop(6, 0.05, elapsed=0.1, block=2)  # whole blocks
+    assert stop(21, 0.3, elapsed=0.1, max_pairs=21, block=2)  # the budget in runs ends it mid-block
     assert timing.calls_per_run(1e-5, 1e-3, 256) == 100 and timing.calls_per_run(1e-2, 1e-3, 256) == 1
     assert timing.calls_per_run(1e-7, 1e-3, 256) == 256 and timing.calls_per_run(0.0, 1e-3, 8) == 8
 

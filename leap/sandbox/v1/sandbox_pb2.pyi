@@ -722,7 +722,10 @@ class Verdict(_message.Message):
     runtime_error: _builtins.str
     """Runtime error (trimmed stderr, signal or exception), when the candidate stopped at RUN."""
     speedup: _builtins.float
-    """The median over pairs of runs of reference time / candidate time; 0 when not timed."""
+    """The median over blocks of timed runs of reference time / candidate time (a block is two
+    pairs of runs, one with each side first, so which side runs first cancels; one pair where
+    the order does not alternate); 0 when not timed.
+    """
     trials_passed: _builtins.int
     """Correctness trials that passed."""
     trials_run: _builtins.int
@@ -737,7 +740,7 @@ class Verdict(_message.Message):
     """SHA-256 (hex) of the extracted code, empty at FORMAT."""
     speedup_low: _builtins.float
     """Lower end of the 95% confidence interval of `speedup` (distribution-free, from the order
-    statistics of the paired ratios); 0 when not timed. Compare two verdicts' speeds only
+    statistics of the blocks' ratios); 0 when not timed. Compare two verdicts' speeds only
     where their intervals do not overlap.
     """
     speedup_high: _builtins.float
