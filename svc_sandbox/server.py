@@ -46,7 +46,6 @@ from svc_sandbox.references import ReferenceStore
 from svc_sandbox.telemetry import Telemetry
 
 import grpc
-import threadpoolctl
 
 SERVICE_NAME = "leap.sandbox.v1.SandboxService"
 Toolchain = common_pb2.Toolchain

@@ -96,6 +96,13 @@ def block_ratios(reference: Sequence[float], candidate: Sequence[float], size: i
     return blocks
 
 
+def speedup_interval(reference: Sequence[float], candidate: Sequence[float], alternate: bool,
+                     confidence: float = 0.95) -> tuple[float, float, float]:
+    """(speedup, low, high) of per-pair times: the median of the block ratios (blocks of one
+    pair of each order when the order alternates) and its distribution-free interval."""
+    return median_interval(block_ratios(reference, candidate, block_size(alternate)), confidence)
+
+
 def should_stop(pairs: int, width: float, *, min_pairs: int, max_pairs: int, target_width: float,
                 elapsed: float, budget_seconds: float, block: int = 1) -> bool:
     """After at least `min_pairs` pairs (the request's timing_trials: always run), stop once

@@ -518,9 +518,8 @@ class Measurement:
                 raise _Stop()
 
     def _interval(self, pairs: Sequence[Pair]) -> tuple[float, float, float]:
-        blocks = timing.block_ratios([p.reference_seconds for p in pairs], [self._charged(p) for p in pairs],
-                                     timing.block_size(self.options.alternate))
-        center, low, high = timing.median_interval(blocks)
+        center, low, high = timing.speedup_interval([p.reference_seconds for p in pairs],
+                                                    [self._charged(p) for p in pairs], self.options.alternate)
         return low, high, center
 
     def _charged(self, pair: Pair) -> float:
