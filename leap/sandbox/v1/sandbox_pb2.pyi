@@ -1021,6 +1021,8 @@ class Task(_message.Message):
     EXAMPLES_FIELD_NUMBER: _builtins.int
     ORIGIN_FIELD_NUMBER: _builtins.int
     FORBIDDEN_CALLS_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Unique id, for example "relu"."""
     title: _builtins.str
@@ -1037,6 +1039,12 @@ class Task(_message.Message):
     """
     origin: _builtins.str
     """Where the task comes from: "builtin" or the directory it was loaded from."""
+    family: _builtins.str
+    """Generated task family ("elementwise", ...) for tasks made by leap.tasks.families; empty
+    for the built-in suite and KernelBench problems.
+    """
+    tier: _builtins.int
+    """Difficulty tier of a generated task, 1 (easiest) to 3; 0 when not rated."""
     @_builtins.property
     def entry_point(self) -> Global___EntryPoint:
         """The entry point a candidate must define (cpu and cuda toolchains)."""
@@ -1077,10 +1085,12 @@ class Task(_message.Message):
         examples: _abc.Iterable[Global___Example] | None = ...,
         origin: _builtins.str = ...,
         forbidden_calls: _abc.Iterable[_builtins.str] | None = ...,
+        family: _builtins.str = ...,
+        tier: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["entry_point", b"entry_point", "tolerance", b"tolerance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["category", b"category", "entry_point", b"entry_point", "examples", b"examples", "forbidden_calls", b"forbidden_calls", "id", b"id", "origin", b"origin", "reference_source", b"reference_source", "sizes", b"sizes", "split", b"split", "statement", b"statement", "title", b"title", "tolerance", b"tolerance", "toolchains", b"toolchains"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["category", b"category", "entry_point", b"entry_point", "examples", b"examples", "family", b"family", "forbidden_calls", b"forbidden_calls", "id", b"id", "origin", b"origin", "reference_source", b"reference_source", "sizes", b"sizes", "split", b"split", "statement", b"statement", "tier", b"tier", "title", b"title", "tolerance", b"tolerance", "toolchains", b"toolchains"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,59 @@
+"""Task families: KernelBench-style tasks generated deterministically from (family, seed, index).
+
+Each family module (today: `elementwise`) defines NAME, ENTRY, SIZE (how many distinct
+structures it has), HELDOUT (the pairs of pieces training never sees together) and
+`build(number, rng) -> core.Blueprint`. This package maps an index to a structure through the
+seed's permutation (`core.permute`), so one seed's tasks are distinct, and renders the
+Blueprint into a Task proto (FULL view: reference, cpu and cuda solutions, broken variants).
+
+    generate("elementwise", seed=0, index=7)        -> Task "fam.elementwise.s0.i7"
+    generate_many("elementwise", seed=0, count=100) -> the first 100 tasks of seed 0
+    task_from_id("fam.elementwise.s0.i7")           -> the same Task (KeyError when not a family id)
+
+Not yet served by the sandbox (see the README's status of issue #16).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from leap.sandbox.v1 import sandbox_pb2
+from leap.tasks.families import core, elementwise
+
+FAMILIES: dict[str, ModuleType] = {module.NAME: module for module in (elementwise,)}
+
+
+def family(name: str) -> ModuleType:
+    """The module of family `name`; ValueError naming the known ones otherwise."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown task family {name!r}; expected one of {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def generate(name: str, seed: int, index: int) -> sandbox_pb2.Task:
+    """Task `index` of `seed` in family `name` (IndexError past the family's size)."""
+    module = family(name)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    number = core.permute(index, core._seed_key(name, seed), module.SIZE)
+    blueprint = module.build(number, core.task_rng(name, seed, index))
+    return core.render(name, seed, index, module.ENTRY, blueprint, core.split_of(blueprint.combos, module.HELDOUT))
+
+
+def generate_many(name: str, seed: int, count: int, start: int = 0) -> list[sandbox_pb2.Task]:
+    """Tasks start..start+count-1 of `seed` in family `name`."""
+    return [generate(name, seed, index) for index in range(start, start + count)]
+
+
+def task_from_id(text: str) -> sandbox_pb2.Task:
+    """The task a family id names; KeyError when `text` is not one or its family is unknown."""
+    parsed = core.parse_id(text)
+    if parsed is None or parsed[0] not in FAMILIES:
+        raise KeyError(text)
+    try:
+        return generate(*parsed)
+    except IndexError:
+        raise KeyError(text) from None
+
+
+__all__ = ["FAMILIES", "family", "generate", "generate_many", "task_from_id"]

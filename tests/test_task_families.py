@@ -1,0 +1,154 @@
+"""The task-family generator (leap.tasks.families): deterministic, distinct, split so that no
+held-out pair of pieces appears in a training task, and every generated solution right and
+every broken variant wrong in the way it claims.
+
+The sandbox does not serve family tasks yet, so the solutions are checked here with the real
+compilers directly (g++ with OpenMP into a shared library called through ctypes, nvcc for
+the cuda solutions, which this machine can compile but not run), against the generated NumPy
+reference run on float64 copies of the inputs, as the sandbox's oracle does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from leap.common.v1 import common_pb2
+from leap.sandbox.v1 import sandbox_pb2
+from leap.tasks import eval_shape, families
+from leap.tasks.families import core, elementwise
+
+Kind = sandbox_pb2.ExampleKind
+Role = sandbox_pb2.ArgumentRole
+CPU = common_pb2.Toolchain.TOOLCHAIN_CPU
+CUDA = common_pb2.Toolchain.TOOLCHAIN_CUDA
+
+
+def test_same_inputs_give_the_same_task_byte_for_byte():
+    first = families.generate("elementwise", seed=3, index=41)
+    again = families.generate("elementwise", seed=3, index=41)
+    assert first.SerializeToString(deterministic=True) == again.SerializeToString(deterministic=True)
+    assert first.id == "fam.elementwise.s3.i41" and first.family == "elementwise" and first.tier in core.TIERS
+
+
+def test_ten_thousand_distinct_tasks_and_seeds_draw_different_mixes():
+    tasks = families.generate_many("elementwise", seed=0, count=10_000)
+    structures = {t.reference_source.split('"""', 2)[2] for t in tasks}  # the reference minus its docstring
+    assert len(structures) == 10_000
+    other = {t.reference_source.split('"""', 2)[2] for t in families.generate_many("elementwise", seed=1, count=200)}
+    assert len(other - structures) > 100
+    assert {t.tier for t in tasks} == set(core.TIERS)
+
+
+def test_permutation_is_a_bijection():
+    for size in (1, 2, 7, 100, 1000):
+        key = core._seed_key("x", size)
+        assert sorted(core.permute(i, key, size) for i in range(size)) == list(range(size))
+    with pytest.raises(IndexError):
+        core.permute(5, 0, 5)
+
+
+def test_no_heldout_pair_appears_in_a_training_task_and_every_piece_is_trained():
+    trained_pieces, heldout = set(), 0
+    for index in range(3000):
+        number = core.permute(index, core._seed_key("elementwise", 0), elementwise.SIZE)
+        blueprint = elementwise.build(number, core.task_rng("elementwise", 0, index))
+        split = core.split_of(blueprint.combos, elementwise.HELDOUT)
+        if split == "train":
+            assert not set(blueprint.combos) & elementwise.HELDOUT
+            trained_pieces.update(blueprint.pieces["ops"].split(","))
+        else:
+            heldout += 1
+            assert set(blueprint.combos) & elementwise.HELDOUT
+    assert 0 < heldout < 3000
+    held_pieces = {piece for pair in elementwise.HELDOUT for piece in pair}
+    assert held_pieces <= trained_pieces  # each held-out piece is seen in training, only not with its partner
+
+
+def test_ids_parse_back_and_unknown_ones_are_refused():
+    task = families.task_from_id("fam.elementwise.s2.i9")
+    assert task.id == "fam.elementwise.s2.i9"
+    for bad in ("fam.elementwise.s02.i9", "fam.nope.s0.i0", "relu", "fam.elementwise.s0.i999999999"):
+        with pytest.raises(KeyError):
+            families.task_from_id(bad)
+    with pytest.raises(ValueError, match="unknown task family"):
+        families.generate("nope", 0, 0)
+
+
+def _compile(source: str, tmp_path, name: str) -> subprocess.CompletedProcess:
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(source)
+    return subprocess.run(["g++", "-O2", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp_path / f"{name}.so"), str(src)],
+                          capture_output=True, text=True)
+
+
+def _run(task: sandbox_pb2.Task, library, sizes: dict[str, int], rng) -> tuple[dict, dict]:
+    """(outputs of the compiled entry point, outputs of the float64 reference) on fresh inputs."""
+    def shape(arg):
+        return tuple(eval_shape(expr, sizes) for expr in arg.shape)
+
+    args = task.entry_point.arguments
+    inputs = {a.name: rng.standard_normal(shape(a)).astype(np.float32) for a in args if a.role == Role.ARGUMENT_ROLE_INPUT}
+    outputs = {a.name: np.full(shape(a), np.nan, np.float32) for a in args if a.role == Role.ARGUMENT_ROLE_OUTPUT}
+    call = []
+    for a in args:
+        if a.role == Role.ARGUMENT_ROLE_SCALAR:
+            call.append(ctypes.c_int64(sizes[a.name]))
+        else:
+            array = inputs.get(a.name, outputs.get(a.name))
+            call.append(array.ctypes.data_as(ctypes.c_void_p))
+    getattr(library, task.entry_point.name)(*call)
+    namespace: dict = {}
+    exec(task.reference_source, namespace)  # our own generated reference, not a candidate's code
+    want = namespace["reference"](**{k: v.astype(np.float64) for k, v in inputs.items()},
+                                  **{a.name: sizes[a.name] for a in args if a.role == Role.ARGUMENT_ROLE_SCALAR})
+    want = want if isinstance(want, tuple) else (want,)
+    return outputs, dict(zip(outputs, want))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 5, 8, 13, 21])
+def test_cpu_solution_passes_and_broken_variants_fail_at_their_stage(tmp_path, index):
+    task = families.generate("elementwise", seed=0, index=index)
+    tolerance = task.tolerance
+    sizes = dict(next(p for p in task.sizes if p.name == "small").values)
+    by_kind = {e.kind: e for e in task.examples if e.toolchain == CPU}
+    rng = np.random.default_rng(index)
+
+    solution = _compile(by_kind[Kind.EXAMPLE_KIND_SOLUTION].source, tmp_path, "solution")
+    assert solution.returncode == 0, solution.stderr
+    got, want = _run(task, ctypes.CDLL(str(tmp_path / "solution.so")), sizes, rng)
+    for name in got:
+        np.testing.assert_allclose(got[name], want[name], atol=tolerance.atol, rtol=tolerance.rtol)
+
+    slow = _compile(by_kind[Kind.EXAMPLE_KIND_SLOW].source, tmp_path, "slow")
+    assert slow.returncode == 0, slow.stderr
+    got, want = _run(task, ctypes.CDLL(str(tmp_path / "slow.so")), sizes, rng)
+    for name in got:
+        np.testing.assert_allclose(got[name], want[name], atol=tolerance.atol, rtol=tolerance.rtol)
+
+    assert _compile(by_kind[Kind.EXAMPLE_KIND_SYNTAX_ERROR].source, tmp_path, "syntax").returncode != 0
+
+    wrong = _compile(by_kind[Kind.EXAMPLE_KIND_WRONG_OUTPUT].source, tmp_path, "wrong")
+    assert wrong.returncode == 0, wrong.stderr
+    got, want = _run(task, ctypes.CDLL(str(tmp_path / "wrong.so")), sizes, rng)
+    assert not all(np.allclose(got[n], want[n], atol=tolerance.atol, rtol=tolerance.rtol) for n in got)
+
+    crash = by_kind[Kind.EXAMPLE_KIND_CRASH].source  # writes one element past the output: only the sandbox's guard pages see it
+    assert "i <= n" in crash and _compile(crash, tmp_path, "crash").returncode == 0
+    assert by_kind[Kind.EXAMPLE_KIND_CRASH].expected_stage == common_pb2.Stage.STAGE_RUN
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_cuda_solutions_compile_with_nvcc(tmp_path):
+    for index in (0, 7):
+        task = families.generate("elementwise", seed=0, index=index)
+        source = next(e.source for e in task.examples if e.toolchain == CUDA)
+        path = tmp_path / f"t{index}.cu"
+        path.write_text(source)
+        done = subprocess.run(["nvcc", "-c", "-o", str(tmp_path / f"t{index}.o"), str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
