@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from leap.learning import Learner, LearnerSettings, current_world, follow, release_followers  # noqa: E402
-from leap.learning.distributed import leave_process_group  # noqa: E402
+from leap.learning.distributed import exit_process, leave_process_group  # noqa: E402
 from tests.learning_cases import SETTINGS_KW, grpo_batch, run_steps  # noqa: E402
 
 
@@ -51,3 +51,5 @@ def main(model_dir: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    if current_world().distributed:
+        exit_process(0)  # as `leap serve trainer` ends its ranks

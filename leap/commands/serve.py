@@ -79,17 +79,26 @@ def run(args, extra: list[str]) -> int:
         settings_parser(spec).print_help()
         return 0
     settings = load_settings(spec, extra)
-    if args.service in LEARNER_SERVICES and not learner_driver(spec.name, settings.log_level):
-        return 0  # a follower rank under torchrun: it trained in lockstep with rank 0 and is done
-    try:
-        run_server(spec, settings)
-    except (OSError, StartupError) as err:
-        raise UserError(str(err)) from None
-    finally:
-        if args.service in LEARNER_SERVICES:
-            from leap.learning.distributed import current_world, release_followers
+    if args.service not in LEARNER_SERVICES:
+        try:
+            run_server(spec, settings)
+        except (OSError, StartupError) as err:
+            raise UserError(str(err)) from None
+        return 0
+    from leap.learning.distributed import current_world, exit_process, release_followers
 
-            release_followers(current_world())
+    world = current_world()
+    if learner_driver(spec.name, settings.log_level):
+        try:
+            run_server(spec, settings)
+        except (OSError, StartupError) as err:
+            raise UserError(str(err)) from None
+        finally:
+            release_followers(world)
+    # a follower rank under torchrun trained in lockstep with rank 0 and is done; either rank
+    # ends here, past the teardown that can abort a distributed process (exit_process)
+    if world.distributed:
+        exit_process(0)
     return 0
 
 

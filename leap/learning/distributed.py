@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -132,3 +134,23 @@ def leave_process_group() -> None:
     torchrun reports as a failed launch."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End a rank of a distributed learner, its work done, without the interpreter's teardown.
+
+    Even with its group destroyed (`leave_process_group`), a rank's torch.distributed
+    objects (gloo's worker threads, the store's connection, the group the FSDP model still
+    holds) are freed by the interpreter's teardown in an order it does not promise; on a busy
+    machine one of their threads can still be running, and the process dies with SIGABRT
+    ("terminate called without an active exception") after it served and saved everything,
+    which torchrun reports as a failed launch. Nothing is left to do at that point (the run
+    registry and checkpoints are committed when they are written), so the logs and standard
+    streams are flushed and the process ends with `os._exit`."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can reach it
+            pass
+    os._exit(code)
