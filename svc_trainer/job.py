@@ -249,7 +249,7 @@ class TrainingJob:
     their own, the job's `learner_thread`, in the synchronous loop as in the asynchronous
     one: torch's CPU build runs each op's parallel region on an OpenMP team that belongs to
     the thread calling it, so a learner entered from one thread keeps one team, which the
-    rollouts of the next step (on the event loop) never share. See README, "Threads"."""
+    rollouts of the next step (on the event loop) never share. Measured by benchmarks/bench_learner_threads.py."""
 
     def __init__(self, config: trainer_pb2.RunConfig, settings: JobSettings):
         self.config = config
