@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import pickle
 import shutil
@@ -241,7 +243,13 @@ class Progress:
 
 
 class TrainingJob:
-    """One run (see the module docstring); the registry calls it in a worker thread."""
+    """One run (see the module docstring); the registry calls it in a worker thread.
+
+    Learner steps (and the copies of the weights pushed after them) run on one thread of
+    their own, the job's `learner_thread`, in the synchronous loop as in the asynchronous
+    one: torch's CPU build runs each op's parallel region on an OpenMP team that belongs to
+    the thread calling it, so a learner entered from one thread keeps one team, which the
+    rollouts of the next step (on the event loop) never share. Measured by benchmarks/bench_learner_threads.py."""
 
     def __init__(self, config: trainer_pb2.RunConfig, settings: JobSettings):
         self.config = config
@@ -253,14 +261,25 @@ class TrainingJob:
         self.pushed_bytes = 0.0
         self.served_lora = None  # the policy's adapter (ModelInfo.lora) when it serves one: push it alone
         self.notes: list[str] = []  # said once in the run's log
+        self.learner_thread: concurrent.futures.ThreadPoolExecutor | None = None  # while the run runs
 
     def __call__(self, ctx: RunContext) -> None:
-        try:
-            asyncio.run(self.main(ctx))
-        except ServiceUnavailable as err:
-            raise RunFailure(str(err)) from err
-        except grpc.RpcError as err:  # a service refused a call: say which, what and why, not the error's repr
-            raise RunFailure(refusal(err)) from err
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner") as pool:
+            self.learner_thread = pool
+            try:
+                asyncio.run(self.main(ctx))
+            except ServiceUnavailable as err:
+                raise RunFailure(str(err)) from err
+            except grpc.RpcError as err:  # a service refused a call: say which, what and why, not the error's repr
+                raise RunFailure(refusal(err)) from err
+            finally:
+                self.learner_thread = None
+
+    def on_learner(self, fn, *args, **kwargs) -> asyncio.Future:
+        """`fn(*args, **kwargs)` on the learner's thread (see the class docstring), awaitable."""
+        if self.learner_thread is None:
+            raise RuntimeError("the job's learner thread runs only while the job does (TrainingJob.__call__)")
+        return asyncio.get_running_loop().run_in_executor(self.learner_thread, functools.partial(fn, *args, **kwargs))
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -414,7 +433,7 @@ class TrainingJob:
             pending.extend(pickle.loads((checkpoint / PENDING_FILE).read_bytes()))
         saved = progress.step
         cursor = pending[-1].cursor if pending else progress.cursor  # where the next draw starts
-        self.pushed = session.learner.push_state(self.served_lora)  # what open_session pushed
+        self.pushed = await self.on_learner(session.learner.push_state, self.served_lora)  # what open_session pushed
         consistent = True  # False while a step's generation and learning are under way
 
         async def generate(step: int) -> StepBatch:
@@ -445,7 +464,7 @@ class TrainingJob:
                 staleness = batch.staleness(progress.step)
                 consistent = False
                 ahead = step + lag
-                learning = asyncio.create_task(asyncio.to_thread(self.learn_batch, batch, session.learner, staleness))
+                learning = self.on_learner(self.learn_batch, batch, session.learner, staleness)
                 try:
                     if ahead <= last:
                         pending.append(await generate(ahead))
@@ -479,7 +498,7 @@ class TrainingJob:
         return True
 
     def learn_batch(self, batch: StepBatch, learner: Learner, staleness: int) -> dict[str, float]:
-        """A batch's learner step (on a worker thread, beside the next generation), unless its
+        """A batch's learner step (on the learner's thread, beside the next generation), unless its
         rollouts are older than the bound: then it is dropped and counted."""
         if staleness > self.config.max_staleness:
             dropped = float(sum(len(g.episodes) for g in batch.groups))
@@ -592,7 +611,7 @@ class TrainingJob:
         """Send the learner's weights (or `state`, weights pushed before) as the next version
         by the best transport the policy takes; returns the seconds it took."""
         started = time.perf_counter()
-        state = state if state is not None else learner.push_state(self.served_lora)
+        state = state if state is not None else await self.on_learner(learner.push_state, self.served_lora)
         self.version += 1
         reply = await with_retries(lambda: self.pusher.push(self.version, state), "policy", services.addresses.policy,
                                    self.patience, "the weight update")
@@ -616,7 +635,7 @@ class TrainingJob:
         groups, ranked, values = await self.rollout(ctx, step, tasks, session)
         session.learning = True  # from here until the update lands, the learner holds no step's state
         try:
-            values.update(self.learn(groups, ranked, session.learner))
+            values.update(await self.on_learner(self.learn, groups, ranked, session.learner))
         except NonFiniteError as err:  # nothing of this update is pushed or checkpointed
             raise RunFailure(err.sentence(step, self.config.optimizer)) from None
         session.learning = False
