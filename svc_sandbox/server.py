@@ -92,7 +92,7 @@ class SandboxConfig(ServerConfig):
     task_families: list[str] = option([], "Generated task families served beside the built-in suite, each NAME or "
                                           "NAME:COUNT (the family's first COUNT tasks of task_family_seed, 1000 when no "
                                           "count is given), comma-separated, for example "
-                                          "--task-families=elementwise:5000. Families: elementwise.")
+                                          "--task-families=elementwise:5000. Families: " + ", ".join(families.FAMILIES) + ".")
     task_family_seed: int = option(0, "Seed of the generated tasks (task_families): a task id names its seed, so "
                                       "servers with different seeds serve different tasks under different ids.",
                                    minimum=0)

@@ -18,14 +18,15 @@ from svc_sandbox.server import SandboxConfig
 from tests.sandbox_helpers import Stage, candidate, describe, running_sandbox
 from tests.test_sandbox_service import violations
 
-SERVED = 40  # tasks of the elementwise family this sandbox serves
+SERVED = {"elementwise": 40, "rows": 30}  # tasks of each family this sandbox serves
 BUILTIN = 25  # tasks of the built-in suite
 
 
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
     with running_sandbox(tmp_path_factory.mktemp("families"), workers=2,
-                         task_families=[f"elementwise:{SERVED}"], task_family_seed=3) as running:
+                         task_families=[f"{name}:{count}" for name, count in SERVED.items()],
+                         task_family_seed=3) as running:
         yield running
 
 
@@ -42,8 +43,8 @@ def list_all(stub, **filters) -> list[sandbox_pb2.Task]:
 def test_the_served_tasks_are_the_generators_first_tasks_of_the_seed_listed_beside_the_suite(sandbox):
     everything = list_all(sandbox.stub)
     generated = [t for t in everything if t.family]
-    assert len(everything) == BUILTIN + SERVED
-    expected = families.generate_many("elementwise", seed=3, count=SERVED)
+    assert len(everything) == BUILTIN + sum(SERVED.values())
+    expected = [t for name, count in SERVED.items() for t in families.generate_many(name, seed=3, count=count)]
     assert sorted(t.id for t in generated) == sorted(t.id for t in expected)
     by_id = {t.id: t for t in expected}
     for task in generated:  # the BASIC view of what the generator made: family, tier, split and all
@@ -53,16 +54,17 @@ def test_the_served_tasks_are_the_generators_first_tasks_of_the_seed_listed_besi
         assert task == want
 
 
-def test_list_tasks_filters_by_family_tier_and_split_and_pages_within_the_filter(sandbox):
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_list_tasks_filters_by_family_tier_and_split_and_pages_within_the_filter(sandbox, name):
     stub = sandbox.stub
-    family = list_all(stub, family="elementwise")
-    assert len(family) == SERVED and all(t.family == "elementwise" for t in family)
+    family = list_all(stub, family=name)
+    assert len(family) == SERVED[name] and all(t.family == name for t in family)
     tiers = {t.tier for t in family}
     assert tiers <= {1, 2, 3} and len(tiers) > 1
     for tier in tiers:
-        chosen = list_all(stub, family="elementwise", tier=tier)
+        chosen = list_all(stub, family=name, tier=tier)
         assert {t.id for t in chosen} == {t.id for t in family if t.tier == tier}
-    heldout = list_all(stub, family="elementwise", split="heldout")
+    heldout = list_all(stub, family=name, split="heldout")
     assert {t.id for t in heldout} == {t.id for t in family if t.split == "heldout"}
     # a page token carries its filters: reused with other filters it is refused
     first = stub.ListTasks(sandbox_pb2.ListTasksRequest(page_size=5, family="elementwise"), timeout=10)
@@ -73,16 +75,17 @@ def test_list_tasks_filters_by_family_tier_and_split_and_pages_within_the_filter
 
 def test_an_unknown_family_and_a_bad_tier_are_invalid_argument_naming_the_field(sandbox):
     with pytest.raises(grpc.RpcError) as caught:
-        sandbox.stub.ListTasks(sandbox_pb2.ListTasksRequest(family="stencil", tier=4, split="test"), timeout=10)
+        sandbox.stub.ListTasks(sandbox_pb2.ListTasksRequest(family="stencils", tier=4, split="test"), timeout=10)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     found = violations(caught.value)
     assert set(found) == {"family", "tier", "split"}
-    assert "elementwise" in found["family"]  # says what it serves
+    assert "elementwise, rows" in found["family"]  # says what it serves
 
 
-def test_every_example_of_a_served_task_stops_at_the_stage_it_names(sandbox):
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_every_example_of_a_served_task_stops_at_the_stage_it_names(sandbox, name):
     stub = sandbox.stub
-    task = next(t for t in list_all(stub, family="elementwise", split="heldout"))
+    task = next(t for t in list_all(stub, family=name, split="heldout"))
     full = stub.GetTask(sandbox_pb2.GetTaskRequest(task_id=task.id, view=sandbox_pb2.TASK_VIEW_FULL), timeout=10).task
     cpu = [e for e in full.examples if e.toolchain == common_pb2.TOOLCHAIN_CPU]
     assert len(cpu) == 5
@@ -94,8 +97,9 @@ def test_every_example_of_a_served_task_stops_at_the_stage_it_names(sandbox):
         assert verdict.stage == example.expected_stage, describe(verdict)
 
 
-def test_a_served_solution_is_timed_against_the_generated_reference(sandbox):
-    task = list_all(sandbox.stub, family="elementwise", split="train")[0]
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_a_served_solution_is_timed_against_the_generated_reference(sandbox, name):
+    task = list_all(sandbox.stub, family=name, split="train")[0]
     full = sandbox.stub.GetTask(sandbox_pb2.GetTaskRequest(task_id=task.id, view=sandbox_pb2.TASK_VIEW_FULL),
                                 timeout=10).task
     (solution,) = [e for e in full.examples if e.toolchain == common_pb2.TOOLCHAIN_CPU
@@ -106,7 +110,7 @@ def test_a_served_solution_is_timed_against_the_generated_reference(sandbox):
 
 
 def test_a_family_task_the_service_does_not_serve_is_not_found(sandbox):
-    unserved = families.generate("elementwise", seed=3, index=SERVED).id  # the next one, past the count
+    unserved = families.generate("rows", seed=3, index=SERVED["rows"]).id  # the next one, past the count
     with pytest.raises(grpc.RpcError) as caught:
         sandbox.stub.GetTask(sandbox_pb2.GetTaskRequest(task_id=unserved), timeout=10)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
