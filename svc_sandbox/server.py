@@ -21,6 +21,7 @@ from pathlib import Path
 import threadpoolctl
 
 from leap import tasks
+from leap.tasks import families
 from leap.common.v1 import common_pb2
 from leap.runtime import (
     KiB,
@@ -88,6 +89,13 @@ class SandboxConfig(ServerConfig):
                                       "or JSONL or Parquet files of them in KernelBench's dataset layout (code, name, "
                                       "level; see leap.tasks.datasets), "
                                       "served as tasks of the kernelbench toolchain; comma-separated.")
+    task_families: list[str] = option([], "Generated task families served beside the built-in suite, each NAME or "
+                                          "NAME:COUNT (the family's first COUNT tasks of task_family_seed, 1000 when no "
+                                          "count is given), comma-separated, for example "
+                                          "--task-families=elementwise:5000. Families: " + ", ".join(families.FAMILIES) + ".")
+    task_family_seed: int = option(0, "Seed of the generated tasks (task_families): a task id names its seed, so "
+                                      "servers with different seeds serve different tasks under different ids.",
+                                   minimum=0)
     compile_timeout_seconds: float = option(60.0, "Wall-clock limit of a compile, in seconds.")
     run_timeout_seconds: float = option(30.0, "Wall-clock limit of each run phase of a candidate (loading, each "
                                               "correctness trial, the timed runs), in seconds.")
@@ -185,7 +193,8 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         self.confinement = ""  # how candidates are confined, in words (ListDevices)
         self.unconfined = False  # allow_unconfined is set and some layer is missing
         self.kernelbench_refused = ""  # why the kernelbench toolchain cannot run here
-        self.suite = {t.id: t for t in tasks.load_suite(config.task_dirs)}  # fails fast on a bad task dir
+        self.suite = load_tasks(config)  # fails fast on a bad task dir or family
+        self.families = sorted({t.family for t in self.suite.values() if t.family})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -505,8 +514,14 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             violations.add("page_size", "must not be negative")
         if request.split and request.split not in tasks.SPLITS:
             violations.add("split", f"one of {', '.join(tasks.SPLITS)}")
+        if request.family and request.family not in self.families:
+            served = ", ".join(self.families) or "none (see the task_families setting)"
+            violations.add("family", f"{request.family[:64]!r} is not a family this service serves; it serves {served}")
+        if not 0 <= request.tier <= 3:
+            violations.add("tier", "0 (every tier) or a tier from 1 to 3")
         offset = 0
-        query = {"toolchain": request.toolchain, "split": request.split}
+        query = {"toolchain": request.toolchain, "split": request.split, "family": request.family,
+                 "tier": request.tier}
         if request.page_token:
             try:
                 offset = decode_page_token(request.page_token, query, is_offset)
@@ -515,7 +530,9 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         violations.raise_if_any()
         chosen = [t for _, t in sorted(self.suite.items())
                   if (not request.toolchain or request.toolchain in t.toolchains)
-                  and (not request.split or t.split == request.split)]
+                  and (not request.split or t.split == request.split)
+                  and (not request.family or t.family == request.family)
+                  and (not request.tier or t.tier == request.tier)]
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         page = chosen[offset:offset + size]
         token = encode_page_token(offset + size, query) if offset + size < len(chosen) else ""
@@ -571,6 +588,23 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             cancelled.set()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(producer), 5)
+
+
+def load_tasks(config: SandboxConfig) -> dict[str, sandbox_pb2.Task]:
+    """Every task the service serves, by id: the built-in suite, the KernelBench problems of
+    task_dirs and the generated tasks of task_families. StartupError saying which setting is
+    wrong when one is."""
+    try:
+        served = {t.id: t for t in tasks.load_suite(config.task_dirs)}
+    except tasks.TaskError as err:
+        raise StartupError(f"task_dirs: {err}") from None
+    try:
+        generated = families.parse_served(config.task_families)
+    except ValueError as err:
+        raise StartupError(f"task_families: {err}") from None
+    for name, count in generated:
+        served.update((t.id, t) for t in families.generate_many(name, config.task_family_seed, count))
+    return served
 
 
 def request_limits(config: SandboxConfig) -> dict[str, int | None]:

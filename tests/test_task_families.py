@@ -2,10 +2,11 @@
 held-out pair of pieces appears in a training task, and every generated solution right and
 every broken variant wrong in the way it claims.
 
-The sandbox does not serve family tasks yet, so the solutions are checked here with the real
-compilers directly (g++ with OpenMP into a shared library called through ctypes, nvcc for
-the cuda solutions, which this machine can compile but not run), against the generated NumPy
-reference run on float64 copies of the inputs, as the sandbox's oracle does.
+The solutions are checked here with the real compilers directly (g++ with OpenMP into a
+shared library called through ctypes, nvcc for the cuda solutions, which this machine can
+compile but not run), against the generated NumPy reference run on float64 copies of the
+inputs, as the sandbox's oracle does; tests/test_sandbox_families.py has the sandbox judge
+them as it serves them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
 from leap.tasks import eval_shape, families
-from leap.tasks.families import core, elementwise
+from leap.tasks.families import core, elementwise, rows
 
 Kind = sandbox_pb2.ExampleKind
 Role = sandbox_pb2.ArgumentRole
@@ -28,11 +29,15 @@ CPU = common_pb2.Toolchain.TOOLCHAIN_CPU
 CUDA = common_pb2.Toolchain.TOOLCHAIN_CUDA
 
 
-def test_same_inputs_give_the_same_task_byte_for_byte():
-    first = families.generate("elementwise", seed=3, index=41)
-    again = families.generate("elementwise", seed=3, index=41)
+FAMILIES = sorted(families.FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_inputs_give_the_same_task_byte_for_byte(family):
+    first = families.generate(family, seed=3, index=41)
+    again = families.generate(family, seed=3, index=41)
     assert first.SerializeToString(deterministic=True) == again.SerializeToString(deterministic=True)
-    assert first.id == "fam.elementwise.s3.i41" and first.family == "elementwise" and first.tier in core.TIERS
+    assert first.id == f"fam.{family}.s3.i41" and first.family == family and first.tier in core.TIERS
 
 
 def test_ten_thousand_distinct_tasks_and_seeds_draw_different_mixes():
@@ -44,6 +49,15 @@ def test_ten_thousand_distinct_tasks_and_seeds_draw_different_mixes():
     assert {t.tier for t in tasks} == set(core.TIERS)
 
 
+def test_every_structure_of_the_rows_family_is_a_distinct_task_and_every_tier_occurs():
+    tasks = families.generate_many("rows", seed=0, count=rows.SIZE)
+    assert len({t.reference_source.split('"""', 2)[2] for t in tasks}) == rows.SIZE
+    assert {t.tier for t in tasks} == set(core.TIERS)
+    assert {t.category for t in tasks} == {"reduction", "normalization"}
+    with pytest.raises(IndexError):
+        families.generate("rows", seed=0, index=rows.SIZE)
+
+
 def test_permutation_is_a_bijection():
     for size in (1, 2, 7, 100, 1000):
         key = core._seed_key("x", size)
@@ -52,20 +66,26 @@ def test_permutation_is_a_bijection():
         core.permute(5, 0, 5)
 
 
-def test_no_heldout_pair_appears_in_a_training_task_and_every_piece_is_trained():
+PIECES = {"elementwise": lambda b: b.pieces["ops"].split(","), "rows": lambda b: b.pieces.values()}
+
+
+@pytest.mark.parametrize("module", [elementwise, rows], ids=lambda m: m.NAME)
+def test_no_heldout_pair_appears_in_a_training_task_and_every_piece_is_trained(module):
+    count = min(3000, module.SIZE)
     trained_pieces, heldout = set(), 0
-    for index in range(3000):
-        number = core.permute(index, core._seed_key("elementwise", 0), elementwise.SIZE)
-        blueprint = elementwise.build(number, core.task_rng("elementwise", 0, index))
-        split = core.split_of(blueprint.combos, elementwise.HELDOUT)
+    for index in range(count):
+        number = core.permute(index, core._seed_key(module.NAME, 0), module.SIZE)
+        blueprint = module.build(number, core.task_rng(module.NAME, 0, index))
+        split = core.split_of(blueprint.combos, module.HELDOUT)
+        assert families.generate(module.NAME, 0, index).split == split  # the task says what the rule says
         if split == "train":
-            assert not set(blueprint.combos) & elementwise.HELDOUT
-            trained_pieces.update(blueprint.pieces["ops"].split(","))
+            assert not set(blueprint.combos) & module.HELDOUT
+            trained_pieces.update(PIECES[module.NAME](blueprint))
         else:
             heldout += 1
-            assert set(blueprint.combos) & elementwise.HELDOUT
-    assert 0 < heldout < 3000
-    held_pieces = {piece for pair in elementwise.HELDOUT for piece in pair}
+            assert set(blueprint.combos) & module.HELDOUT
+    assert 0 < heldout < count
+    held_pieces = {piece for pair in module.HELDOUT for piece in pair}
     assert held_pieces <= trained_pieces  # each held-out piece is seen in training, only not with its partner
 
 
@@ -111,9 +131,10 @@ def _run(task: sandbox_pb2.Task, library, sizes: dict[str, int], rng) -> tuple[d
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("index", [0, 1, 2, 3, 5, 8, 13, 21])
-def test_cpu_solution_passes_and_broken_variants_fail_at_their_stage(tmp_path, index):
-    task = families.generate("elementwise", seed=0, index=index)
+@pytest.mark.parametrize("family, index", [("elementwise", i) for i in (0, 1, 2, 3, 5, 8, 13, 21)]
+                         + [("rows", i) for i in (0, 1, 2, 4, 6, 9, 11, 15)])
+def test_cpu_solution_passes_and_broken_variants_fail_at_their_stage(tmp_path, family, index):
+    task = families.generate(family, seed=0, index=index)
     tolerance = task.tolerance
     sizes = dict(next(p for p in task.sizes if p.name == "small").values)
     by_kind = {e.kind: e for e in task.examples if e.toolchain == CPU}
@@ -139,14 +160,15 @@ def test_cpu_solution_passes_and_broken_variants_fail_at_their_stage(tmp_path, i
     assert not all(np.allclose(got[n], want[n], atol=tolerance.atol, rtol=tolerance.rtol) for n in got)
 
     crash = by_kind[Kind.EXAMPLE_KIND_CRASH].source  # writes one element past the output: only the sandbox's guard pages see it
-    assert "i <= n" in crash and _compile(crash, tmp_path, "crash").returncode == 0
+    assert "i <= " in crash and _compile(crash, tmp_path, "crash").returncode == 0
     assert by_kind[Kind.EXAMPLE_KIND_CRASH].expected_stage == common_pb2.Stage.STAGE_RUN
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_cuda_solutions_compile_with_nvcc(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_solutions_compile_with_nvcc(tmp_path, family):
     for index in (0, 7):
-        task = families.generate("elementwise", seed=0, index=index)
+        task = families.generate(family, seed=0, index=index)
         source = next(e.source for e in task.examples if e.toolchain == CUDA)
         path = tmp_path / f"t{index}.cu"
         path.write_text(source)

@@ -27,6 +27,7 @@ Public API:
     load_suite(extra_dirs=()) -> list[Task]     every task, FULL view, sorted by id
     get_task(task_id, extra_dirs=()) -> Task    one task (KeyError when missing)
     task_spec(task_id, extra_dirs=()) -> TaskSpec   the runnable side: sizes, inputs, oracle
+                                                (of generated tasks too: `leap.tasks.families`)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import numpy as np
 
 from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
-from leap.tasks import datasets
+from leap.tasks import datasets, families  # neither imports this module
 
 SUITE_DIR = Path(__file__).resolve().parent / "suite"
 SPLITS = ("train", "heldout")
@@ -363,14 +364,21 @@ class TaskSpec:
     """What it takes to run a built-in task: sizes, seeded inputs and the reference."""
 
     task: sandbox_pb2.Task
-    directory: Path
+    directory: Path | None  # the suite folder; None for a generated task (its reference is its source)
     reference: Callable[..., Any]
     torch_reference: Callable[..., Any] | None
     make_inputs: Callable[..., Mapping[str, np.ndarray]] | None
 
     @property
     def reference_path(self) -> Path:
+        if self.directory is None:
+            raise TaskError(f"{self.task.id} is generated: its reference is task.reference_source, not a file")
         return self.directory / "reference.py"
+
+    @property
+    def reference_origin(self) -> str:
+        """Where the reference comes from, for messages."""
+        return str(self.reference_path) if self.directory is not None else f"the reference of {self.task.id}"
 
     def preset(self, name: str) -> dict[str, int]:
         for preset in self.task.sizes:
@@ -393,7 +401,7 @@ class TaskSpec:
             if arg.name in made:
                 array = np.ascontiguousarray(made[arg.name], dtype=dtype)
                 if array.shape != shape:
-                    raise TaskError(f"{self.reference_path}: inputs() made {arg.name} of shape {array.shape}, "
+                    raise TaskError(f"{self.reference_origin}: inputs() made {arg.name} of shape {array.shape}, "
                                     f"the task says {shape}")
             else:
                 array = rng.standard_normal(shape).astype(dtype)
@@ -408,7 +416,7 @@ class TaskSpec:
         outputs = self.arguments(Role.ARGUMENT_ROLE_OUTPUT)
         values = result if isinstance(result, tuple) else (result,)
         if len(values) != len(outputs):
-            raise TaskError(f"{self.reference_path}: reference returned {len(values)} outputs, the task has {len(outputs)}")
+            raise TaskError(f"{self.reference_origin}: reference returned {len(values)} outputs, the task has {len(outputs)}")
         return {arg.name: np.asarray(value) for arg, value in zip(outputs, values)}
 
     def expected(self, inputs: Mapping[str, np.ndarray], sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
@@ -419,7 +427,7 @@ class TaskSpec:
         for arg in self.arguments(Role.ARGUMENT_ROLE_OUTPUT):
             want = shape_of(arg, sizes)
             if outputs[arg.name].shape != want:
-                raise TaskError(f"{self.reference_path}: output {arg.name} has shape {outputs[arg.name].shape}, "
+                raise TaskError(f"{self.reference_origin}: output {arg.name} has shape {outputs[arg.name].shape}, "
                                 f"the task says {want}")
         return outputs
 
@@ -436,9 +444,21 @@ def _spec(task_id: str, directory: str) -> TaskSpec:
                     make_inputs=getattr(module, "inputs", None))
 
 
+@functools.lru_cache(maxsize=4096)
+def _family_spec(task_id: str) -> TaskSpec:
+    task = families.task_from_id(task_id)  # KeyError when the id names no generated task
+    module = ModuleType(f"leap_task_{task_id.replace('.', '_')}")
+    exec(compile(task.reference_source, f"<{task_id}/reference.py>", "exec"), module.__dict__)  # our own generated code
+    return TaskSpec(task=task, directory=None, reference=module.reference,
+                    torch_reference=getattr(module, "torch_reference", None), make_inputs=None)
+
+
 def task_spec(task_id: str, extra_dirs: Sequence[str | Path] = ()) -> TaskSpec:
-    """The runnable side of a built-in task (KeyError when missing; KernelBench tasks have no
-    TaskSpec: their module is the reference, see `kernelbench_file`)."""
+    """The runnable side of a built-in or generated task (`leap.tasks.families`; KeyError when
+    missing; KernelBench tasks have no TaskSpec: their module is the reference, see
+    `kernelbench_file`)."""
+    if families.core.parse_id(task_id) is not None:
+        return _family_spec(task_id)
     tasks = _all(extra_dirs)
     if task_id not in tasks or tasks[task_id][0].origin != "builtin":
         raise KeyError(task_id)

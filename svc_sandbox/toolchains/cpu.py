@@ -42,7 +42,7 @@ class CpuToolchain(NativeToolchain):
             reference = ReferenceJob({"kind": "numpy_reference", "reference": "reference.py", "arguments": arguments,
                                       "memory_bytes": self.settings.memory_bytes},
                                      self.limits(options, cpu=True, processes=False),
-                                     {"reference.py": spec_task.reference_path.read_text()})
+                                     {"reference.py": spec_task.task.reference_source})
         source = trust.BuiltinSource(self.evaluator.references, spec_task, request.size, sizes, request.seed)
         self.measure(zygote, layout, source, options, verdict, candidate=candidate, reference=reference)
         self.entry_missing(verdict, task.entry_point.name)

@@ -69,7 +69,7 @@ class CudaToolchain(NativeToolchain):
             reference = ReferenceJob({"kind": "torch_reference", "reference": "reference.py", "arguments": arguments,
                                       "device": device, "threads": self.settings.threads, **common},
                                      self.limits(options, cpu=False, processes=False),
-                                     {"reference.py": spec_task.reference_path.read_text()})
+                                     {"reference.py": spec_task.task.reference_source})
         source = trust.BuiltinSource(self.evaluator.references, spec_task, request.size, sizes, request.seed)
         sampling = functools.partial(self.evaluator.telemetry.sampling, request.device_index,
                                      self.settings.telemetry_interval)

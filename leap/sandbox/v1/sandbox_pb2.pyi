@@ -1107,6 +1107,8 @@ class ListTasksRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     VIEW_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     toolchain: _common_pb2.Toolchain.ValueType
     """Only tasks supporting this toolchain; unset means all."""
     split: _builtins.str
@@ -1117,6 +1119,12 @@ class ListTasksRequest(_message.Message):
     """Token from a previous response's next_page_token; empty for the first page."""
     view: Global___TaskView.ValueType
     """How much of each task to return."""
+    family: _builtins.str
+    """Only generated tasks of this family (as in Task.family, for example "elementwise"); empty
+    means every task. A family the service does not serve is INVALID_ARGUMENT.
+    """
+    tier: _builtins.int
+    """Only tasks of this difficulty tier (1 to 3, as in Task.tier); 0 means every tier."""
     def __init__(
         self,
         *,
@@ -1125,10 +1133,12 @@ class ListTasksRequest(_message.Message):
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
         view: Global___TaskView.ValueType = ...,
+        family: _builtins.str = ...,
+        tier: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "split", b"split", "toolchain", b"toolchain", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["family", b"family", "page_size", b"page_size", "page_token", b"page_token", "split", b"split", "tier", b"tier", "toolchain", b"toolchain", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,6 +1,6 @@
 """Task families: KernelBench-style tasks generated deterministically from (family, seed, index).
 
-Each family module (today: `elementwise`) defines NAME, ENTRY, SIZE (how many distinct
+Each family module (today: `elementwise` and `rows`) defines NAME, ENTRY, SIZE (how many distinct
 structures it has), HELDOUT (the pairs of pieces training never sees together) and
 `build(number, rng) -> core.Blueprint`. This package maps an index to a structure through the
 seed's permutation (`core.permute`), so one seed's tasks are distinct, and renders the
@@ -10,17 +10,19 @@ Blueprint into a Task proto (FULL view: reference, cpu and cuda solutions, broke
     generate_many("elementwise", seed=0, count=100) -> the first 100 tasks of seed 0
     task_from_id("fam.elementwise.s0.i7")           -> the same Task (KeyError when not a family id)
 
-Not yet served by the sandbox (see the README's status of issue #16).
+The sandbox serves the first COUNT tasks of a seed beside the built-in suite when its
+`task_families` setting names them (`parse_served` reads that setting).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 from leap.sandbox.v1 import sandbox_pb2
-from leap.tasks.families import core, elementwise
+from leap.tasks.families import core, elementwise, rows
 
-FAMILIES: dict[str, ModuleType] = {module.NAME: module for module in (elementwise,)}
+FAMILIES: dict[str, ModuleType] = {module.NAME: module for module in (elementwise, rows)}
 
 
 def family(name: str) -> ModuleType:
@@ -56,4 +58,31 @@ def task_from_id(text: str) -> sandbox_pb2.Task:
         raise KeyError(text) from None
 
 
-__all__ = ["FAMILIES", "family", "generate", "generate_many", "task_from_id"]
+DEFAULT_SERVED = 1000  # tasks of a family a server serves when its setting gives no count
+MAX_SERVED = 100_000  # most tasks of one family a server holds (about 3.5 KB each)
+
+
+def parse_served(entries: Sequence[str]) -> list[tuple[str, int]]:
+    """(family, count) of each entry of a `NAME` or `NAME:COUNT` list (a server's setting:
+    the first COUNT tasks of the family; DEFAULT_SERVED when no count is given). ValueError
+    naming the entry when a family is unknown, named twice, or its count is not a whole
+    number in 1..min(MAX_SERVED, the family's size)."""
+    served: dict[str, int] = {}
+    for entry in entries:
+        name, sep, text = entry.strip().partition(":")
+        module = family(name)
+        if not sep:
+            count = min(DEFAULT_SERVED, module.SIZE)
+        elif text.isdigit() and 1 <= int(text) <= min(MAX_SERVED, module.SIZE):
+            count = int(text)
+        else:
+            raise ValueError(f"task family entry {entry!r}: the count must be a whole number from 1 to "
+                             f"{min(MAX_SERVED, module.SIZE)}")
+        if name in served:
+            raise ValueError(f"task family {name!r} is named twice")
+        served[name] = count
+    return list(served.items())
+
+
+__all__ = ["DEFAULT_SERVED", "FAMILIES", "MAX_SERVED", "family", "generate", "generate_many", "parse_served",
+           "task_from_id"]
