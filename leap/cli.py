@@ -9,7 +9,7 @@ import sys
 
 from leap import __version__
 
-COMMANDS = ["serve", "up", "health", "conformance", "bootstrap-model", "demo", "dcp-experiment", "expand-compress"]
+COMMANDS = ["serve", "up", "health", "conformance", "bootstrap-model", "demo", "eval", "dcp-experiment", "expand-compress"]
 
 
 def build_parser() -> argparse.ArgumentParser:

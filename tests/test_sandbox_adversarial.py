@@ -33,7 +33,7 @@ from tests.sandbox_helpers import (AS_ROOT, CPU, KERNELBENCH, RELU_LOOP, Check, 
 WORKERS = 2
 FAST = {"timing_trials": 4, "warmup_runs": 1}
 NO_STATIC = {**FAST, "disabled_checks": [Check.CHECK_STATIC]}
-TASK = "level1_7_scale_relu"
+TASK = "level1/7_Scale_relu"
 PROBLEM = '''
 import torch
 import torch.nn as nn

@@ -83,7 +83,7 @@ def get_inputs():
 def get_init_inputs():
     return []
 '''
-KB_TASK = "level1_1_relu"
+KB_TASK = "level1/1_Relu"
 
 
 def attack(code: str) -> str:

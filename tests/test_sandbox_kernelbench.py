@@ -85,7 +85,7 @@ class ModelNew(nn.Module):
         return ext.scale_relu(x.contiguous(), self.scale.detach().contiguous())
 '''
 
-TASK = "level1_7_scale_relu"
+TASK = "level1/7_Scale_relu"
 
 
 @pytest.fixture(scope="module")

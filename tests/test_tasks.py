@@ -182,10 +182,11 @@ def test_kernelbench_directories_load_as_kernelbench_tasks(tmp_path):
     (tmp_path / "level1" / "helpers.py").write_text("X = 1\n")  # not a problem: ignored
     suite = tasks.load_suite([tmp_path])
     assert len(suite) == len(SUITE) + 1
-    task = tasks.get_task("level1_3_scale_by_two", [tmp_path])
+    task = tasks.get_task("level1/3_Scale_by_two", [tmp_path])
     assert list(task.toolchains) == [Toolchain.TOOLCHAIN_KERNELBENCH]
     assert task.category == "level1" and task.origin == str(tmp_path.resolve())
     assert "Scales its input by two." in task.statement and "class Model" in task.reference_source
+    assert task.id == "level1/3_Scale_by_two"  # the file's own name, as KernelBench names its problems
     assert tasks.kernelbench_file(task.id, [tmp_path]).name == "3_Scale_by_two.py"
     with pytest.raises(KeyError):
         tasks.task_spec(task.id, [tmp_path])
@@ -217,3 +218,21 @@ def test_every_cuda_solution_compiles_with_nvcc(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     exported = subprocess.run(["nm", "-D", "--defined-only", str(tmp_path / "suite.so")], capture_output=True, text=True).stdout
     assert set(names) <= set(re.findall(r" T (\w+)", exported))
+
+
+def test_a_kernelbench_checkout_at_its_root_means_its_problems_folder(tmp_path):
+    problems = tmp_path / "KernelBench" / "level1"
+    problems.mkdir(parents=True)
+    (problems / "19_ReLU.py").write_text(KERNELBENCH_PROBLEM)
+    prompts = tmp_path / "src" / "kernelbench" / "prompts"  # example Models for prompts, and a file 3.11 cannot parse
+    prompts.mkdir(parents=True)
+    (prompts / "model_ex_add.py").write_text(KERNELBENCH_PROBLEM)
+    (prompts / "template.py").write_text("def f[T](x: T) -> T: ...\nclass {name}:\n")
+    loaded = [t.id for t in tasks.load_suite([tmp_path]) if t.origin != "builtin"]
+    assert loaded == ["level1/19_ReLU"]
+
+
+def test_a_kernelbench_file_named_like_a_generated_task_is_refused(tmp_path):
+    (tmp_path / "fam.rows.s0.i1.py").write_text(KERNELBENCH_PROBLEM)
+    with pytest.raises(tasks.TaskError, match="would read as a generated task"):
+        tasks.load_suite([tmp_path])

@@ -21,8 +21,9 @@ def free_port() -> int:
 
 
 def experiment_stack(work: Path, model_dir: Path, services: Iterable[str] = SERVICES,
-                     model_name: str = "policy") -> LocalStack:
-    """A LocalStack (not started) whose state lives under `work`."""
+                     model_name: str = "policy", extra_env: dict[str, str] | None = None) -> LocalStack:
+    """A LocalStack (not started) whose state lives under `work`; `extra_env` sets more of
+    the services' settings (LEAP_<SERVICE>_<SETTING>)."""
     services = list(services)
     ports = {name: free_port() for name in SERVICES}
     address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
@@ -41,4 +42,5 @@ def experiment_stack(work: Path, model_dir: Path, services: Iterable[str] = SERV
         "LEAP_DISTILL_STUDENT_ADDRESS": address["policy"],
         "LEAP_DISTILL_SANDBOX_ADDRESS": address["sandbox"],
     })
+    env.update(extra_env or {})
     return LocalStack(services=services, log_dir=work / "logs", env=env)

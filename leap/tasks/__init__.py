@@ -254,12 +254,14 @@ def _kernelbench_task(root: Path, file: Path, _mtime_ns: int, _size: int) -> san
     if not _is_kernelbench_module(tree):
         return None
     relative = file.relative_to(root).with_suffix("")
+    if families.core.parse_id(relative.as_posix()) is not None:
+        raise TaskError(f"{file}: its id {relative.as_posix()!r} would read as a generated task's (fam.*); rename it")
     model = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Model")
     doc = (ast.get_docstring(model) or "").strip()
     statement = (doc + "\n" if doc else "") + "Write ModelNew, a faster drop-in replacement of Model with the same outputs."
     atol, rtol = _declared_tolerance(tree)
     return sandbox_pb2.Task(
-        id=_slug(str(relative)),
+        id=relative.as_posix(),  # the file's own path, as KernelBench names its problems: level1/19_ReLU
         title=relative.name,
         statement=statement,
         category=_slug(relative.parent.name) if relative.parent.name else "kernelbench",
@@ -274,10 +276,14 @@ def _kernelbench_task(root: Path, file: Path, _mtime_ns: int, _size: int) -> san
 
 
 def _kernelbench_dir(root: str) -> tuple[tuple[sandbox_pb2.Task, str], ...]:
-    """The problems of a directory, read again when files are added or changed."""
+    """The problems of a directory, read again when files are added or changed. A checkout of
+    the KernelBench repository (a `KernelBench/` folder of `level*/` folders beside its
+    sources) means its problems folder: its prompt examples and scripts are not problems."""
     base = Path(root)
     if not base.is_dir():
         raise TaskError(f"{root}: not a directory")
+    if (base / "KernelBench").is_dir() and any(p.is_dir() for p in (base / "KernelBench").glob("level*")):
+        base = base / "KernelBench"
     found = []
     for file in sorted(base.rglob("*.py")):
         stat = file.stat()
