@@ -156,7 +156,7 @@ def test_kernelbench_runs_on_the_gpu(tmp_path):
     (tmp_path / "problems").mkdir()
     (tmp_path / "problems" / "1_Matmul_relu.py").write_text(KB_PROBLEM)
     with running_sandbox(tmp_path, task_dirs=[str(tmp_path / "problems")], workers=1) as sandbox:
-        verdict = sandbox.evaluate("1_matmul_relu", KB_NEW, KERNELBENCH)
+        verdict = sandbox.evaluate("1_Matmul_relu", KB_NEW, KERNELBENCH)
         assert verdict.stage == Stage.STAGE_PASSED and verdict.device.startswith("cuda:0"), describe(verdict)
         assert verdict.reference_timing.trials >= 10 and verdict.speedup > 0 and verdict.timing_clock == "wall"
         assert verdict.telemetry

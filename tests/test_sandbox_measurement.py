@@ -87,10 +87,10 @@ def evaluate(stub, task_id: str, code: str) -> sandbox_pb2.Verdict:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="no /proc/PID/clear_refs to reset the peak RSS")
 def test_comparing_a_large_output_streams(big_sandbox):
     stub, process = big_sandbox
-    evaluate(stub, "2_big_shift", SHIFT)  # the problem's probe, PyTorch imported: the service's steady state
+    evaluate(stub, "2_Big_shift", SHIFT)  # the problem's probe, PyTorch imported: the service's steady state
     Path(f"/proc/{process.pid}/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
     before = vm(process.pid, "VmRSS")
-    verdict = evaluate(stub, "2_big_shift", SHIFT)
+    verdict = evaluate(stub, "2_Big_shift", SHIFT)
     assert verdict.stage == Stage.STAGE_PASSED, describe(verdict)
     extra = vm(process.pid, "VmHWM") - before
     # The output (and the input, checked for mutation) are in shared memory twice each: the
@@ -102,10 +102,10 @@ def test_comparing_a_large_output_streams(big_sandbox):
 def test_the_memory_limit_bounds_what_the_candidate_allocates_not_its_inputs(big_sandbox):
     stub, _ = big_sandbox
     # 256 MiB of inputs, a 128 MiB limit: handed over in shared memory, they do not count.
-    verdict = evaluate(stub, "1_big_sum", SUM.format(""))
+    verdict = evaluate(stub, "1_Big_sum", SUM.format(""))
     assert verdict.stage == Stage.STAGE_PASSED, describe(verdict)
     # What the candidate allocates does: 192 MiB of its own is over the limit.
     hungry = SUM.format("        hog = torch.ones(192 << 20, dtype=torch.uint8)\n")
-    verdict = evaluate(stub, "1_big_sum", hungry)
+    verdict = evaluate(stub, "1_Big_sum", hungry)
     assert verdict.stage == Stage.STAGE_RUN and "MEMORY_LIMIT" in flags(verdict), describe(verdict)
     assert os.path.exists(f"/proc/{big_sandbox[1].pid}")  # the service is fine
