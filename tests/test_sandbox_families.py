@@ -18,7 +18,7 @@ from svc_sandbox.server import SandboxConfig
 from tests.sandbox_helpers import Stage, candidate, describe, running_sandbox
 from tests.test_sandbox_service import violations
 
-SERVED = {"elementwise": 40, "rows": 30}  # tasks of each family this sandbox serves
+SERVED = {"elementwise": 40, "gemm": 30, "rows": 30}  # tasks of each family this sandbox serves
 BUILTIN = 25  # tasks of the built-in suite
 
 
@@ -79,7 +79,7 @@ def test_an_unknown_family_and_a_bad_tier_are_invalid_argument_naming_the_field(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     found = violations(caught.value)
     assert set(found) == {"family", "tier", "split"}
-    assert "elementwise, rows" in found["family"]  # says what it serves
+    assert "elementwise, gemm, rows" in found["family"]  # says what it serves
 
 
 @pytest.mark.parametrize("name", sorted(SERVED))
