@@ -18,7 +18,7 @@ from svc_sandbox.server import SandboxConfig
 from tests.sandbox_helpers import Stage, candidate, describe, running_sandbox
 from tests.test_sandbox_service import violations
 
-SERVED = {"elementwise": 40, "rows": 30}  # tasks of each family this sandbox serves
+SERVED = {"elementwise": 40, "gemm": 30, "rows": 30, "stencil": 30}  # tasks of each family this sandbox serves
 BUILTIN = 25  # tasks of the built-in suite
 
 
@@ -79,7 +79,7 @@ def test_an_unknown_family_and_a_bad_tier_are_invalid_argument_naming_the_field(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     found = violations(caught.value)
     assert set(found) == {"family", "tier", "split"}
-    assert "elementwise, rows" in found["family"]  # says what it serves
+    assert "elementwise, gemm, rows, stencil" in found["family"]  # says what it serves
 
 
 @pytest.mark.parametrize("name", sorted(SERVED))
@@ -117,7 +117,7 @@ def test_a_family_task_the_service_does_not_serve_is_not_found(sandbox):
 
 
 @pytest.mark.parametrize("entries, says", [
-    (["stencil"], "unknown task family 'stencil'"),
+    (["stencils"], "unknown task family 'stencils'"),
     (["elementwise:0"], "whole number from 1"),
     (["elementwise:ten"], "whole number from 1"),
     (["elementwise", "elementwise:5"], "named twice"),

@@ -21,7 +21,7 @@ import pytest
 from leap.common.v1 import common_pb2
 from leap.sandbox.v1 import sandbox_pb2
 from leap.tasks import eval_shape, families
-from leap.tasks.families import core, elementwise, rows
+from leap.tasks.families import core, elementwise, gemm, rows, stencil
 
 Kind = sandbox_pb2.ExampleKind
 Role = sandbox_pb2.ArgumentRole
@@ -40,6 +40,11 @@ def test_same_inputs_give_the_same_task_byte_for_byte(family):
     assert first.id == f"fam.{family}.s3.i41" and first.family == family and first.tier in core.TIERS
 
 
+def test_four_families_hold_at_least_ten_thousand_distinct_tasks():
+    assert len(families.FAMILIES) == 4
+    assert sum(module.SIZE for module in families.FAMILIES.values()) >= 10_000
+
+
 def test_ten_thousand_distinct_tasks_and_seeds_draw_different_mixes():
     tasks = families.generate_many("elementwise", seed=0, count=10_000)
     structures = {t.reference_source.split('"""', 2)[2] for t in tasks}  # the reference minus its docstring
@@ -49,13 +54,16 @@ def test_ten_thousand_distinct_tasks_and_seeds_draw_different_mixes():
     assert {t.tier for t in tasks} == set(core.TIERS)
 
 
-def test_every_structure_of_the_rows_family_is_a_distinct_task_and_every_tier_occurs():
-    tasks = families.generate_many("rows", seed=0, count=rows.SIZE)
-    assert len({t.reference_source.split('"""', 2)[2] for t in tasks}) == rows.SIZE
+@pytest.mark.parametrize("module, categories", [(rows, {"reduction", "normalization"}), (gemm, {"matmul"}),
+                                                (stencil, {"convolution", "pooling"})],
+                         ids=lambda m: getattr(m, "NAME", ""))
+def test_every_structure_of_a_small_family_is_a_distinct_task_and_every_tier_occurs(module, categories):
+    tasks = families.generate_many(module.NAME, seed=0, count=module.SIZE)
+    assert len({t.reference_source.split('"""', 2)[2] for t in tasks}) == module.SIZE
     assert {t.tier for t in tasks} == set(core.TIERS)
-    assert {t.category for t in tasks} == {"reduction", "normalization"}
+    assert {t.category for t in tasks} == categories
     with pytest.raises(IndexError):
-        families.generate("rows", seed=0, index=rows.SIZE)
+        families.generate(module.NAME, seed=0, index=module.SIZE)
 
 
 def test_permutation_is_a_bijection():
@@ -66,10 +74,11 @@ def test_permutation_is_a_bijection():
         core.permute(5, 0, 5)
 
 
-PIECES = {"elementwise": lambda b: b.pieces["ops"].split(","), "rows": lambda b: b.pieces.values()}
+PIECES = {"elementwise": lambda b: b.pieces["ops"].split(","), "rows": lambda b: b.pieces.values(),
+          "gemm": lambda b: b.pieces.values(), "stencil": lambda b: b.pieces.values()}
 
 
-@pytest.mark.parametrize("module", [elementwise, rows], ids=lambda m: m.NAME)
+@pytest.mark.parametrize("module", [elementwise, rows, gemm, stencil], ids=lambda m: m.NAME)
 def test_no_heldout_pair_appears_in_a_training_task_and_every_piece_is_trained(module):
     count = min(3000, module.SIZE)
     trained_pieces, heldout = set(), 0
@@ -132,7 +141,9 @@ def _run(task: sandbox_pb2.Task, library, sizes: dict[str, int], rng) -> tuple[d
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("family, index", [("elementwise", i) for i in (0, 1, 2, 3, 5, 8, 13, 21)]
-                         + [("rows", i) for i in (0, 1, 2, 4, 6, 9, 11, 15)])
+                         + [("rows", i) for i in (0, 1, 2, 4, 6, 9, 11, 15)]
+                         + [("gemm", i) for i in (0, 1, 3, 5, 8, 12)]
+                         + [("stencil", i) for i in (0, 1, 2, 5, 7, 9)])
 def test_cpu_solution_passes_and_broken_variants_fail_at_their_stage(tmp_path, family, index):
     task = families.generate(family, seed=0, index=index)
     tolerance = task.tolerance

@@ -1,6 +1,6 @@
 """Task families: KernelBench-style tasks generated deterministically from (family, seed, index).
 
-Each family module (today: `elementwise` and `rows`) defines NAME, ENTRY, SIZE (how many distinct
+Each family module (`elementwise`, `rows`, `gemm`, `stencil`) defines NAME, ENTRY, SIZE (how many distinct
 structures it has), HELDOUT (the pairs of pieces training never sees together) and
 `build(number, rng) -> core.Blueprint`. This package maps an index to a structure through the
 seed's permutation (`core.permute`), so one seed's tasks are distinct, and renders the
@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from leap.sandbox.v1 import sandbox_pb2
-from leap.tasks.families import core, elementwise, rows
+from leap.tasks.families import core, elementwise, gemm, rows, stencil
 
-FAMILIES: dict[str, ModuleType] = {module.NAME: module for module in (elementwise, rows)}
+FAMILIES: dict[str, ModuleType] = {module.NAME: module for module in (elementwise, rows, gemm, stencil)}
 
 
 def family(name: str) -> ModuleType:
