@@ -77,8 +77,18 @@ class World:
             dist.barrier()
 
 
+_joined: World | None = None  # the world this process joined, once: a left group is never joined again
+
+
 def current_world() -> World:
-    """The world of this process, joining the process group when launched with several."""
+    """The world of this process, joining the process group when launched with several.
+
+    The group is joined once per process: asked again after `leave_process_group`, this
+    returns the same World without joining anew (a second `init_process_group` over the
+    launcher's store meets the first one's stale keys and can wait forever)."""
+    global _joined
+    if _joined is not None:
+        return _joined
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()
@@ -90,7 +100,8 @@ def current_world() -> World:
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
         # Long timeout: followers wait in a broadcast while the driver generates rollouts.
         dist.init_process_group(backend, timeout=datetime.timedelta(hours=6))
-    return World(rank=rank, size=size, local_rank=local_rank)
+    _joined = World(rank=rank, size=size, local_rank=local_rank)
+    return _joined
 
 
 def shard_model(model: torch.nn.Module, mixed_precision: bool = False) -> torch.nn.Module:
