@@ -84,12 +84,19 @@ def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path, 
 @pytest.mark.slow
 def test_the_dcp_experiment_compares_modes_in_a_table_and_a_plot(tiny_model_dir, tmp_path):
     # One mode keeps this to one stack; every mode runs the same code (train_mode) with its config.
-    done = leap("dcp-experiment", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--modes", "single", *SMALL)
+    # Two seeds: each gets its own runs, table and plot, and the top report spreads them.
+    done = leap("dcp-experiment", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--modes", "single",
+                "--seeds", "2", "--seed", "5", *SMALL)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads((tmp_path / "report.json").read_text())
-    assert set(summary) == {"single"}
-    assert summary["single"]["expanded_share"] == 0.0 and summary["single"]["evaluations"] > 0
-    assert (tmp_path / "dcp.png").is_file() and "| single |" in (tmp_path / "report.md").read_text()
+    for seed in (5, 6):
+        summary = json.loads((tmp_path / f"seed-{seed}" / "report.json").read_text())
+        assert set(summary) == {"single"}
+        assert summary["single"]["expanded_share"] == 0.0 and summary["single"]["evaluations"] > 0
+        assert (tmp_path / f"seed-{seed}" / "dcp.png").is_file()
+        assert f"seed {seed}" in (tmp_path / f"seed-{seed}" / "report.md").read_text()
+    over = json.loads((tmp_path / "report.json").read_text())
+    assert over["seeds"] == [5, 6] and over["runs"]["single"]["evaluations"]["n"] == 2
+    assert "| single |" in (tmp_path / "report.md").read_text() and "over 2 seeds" in done.stdout
 
 
 @pytest.mark.slow

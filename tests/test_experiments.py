@@ -74,3 +74,36 @@ def test_a_runs_evaluations_are_split_by_task_set():
     run = FinishedRun(run=None, events=[both, coverage, common_pb2.MetricEvent(kind="train", step=1)])
     assert run.evaluations("train_tasks/") == [{"pass_at_1/turn_1": 0.25}]
     assert run.evaluations() == [{"pass_at_1/turn_1": 0.0, "time/eval_s": 3.0}]
+
+
+def summary(name, heldout, evaluations, seconds):
+    return compare.Summary(name, {"pass_at_1/turn_2": heldout}, evaluations, seconds, 0.5, None)
+
+
+def test_figures_over_seeds_are_mean_and_standard_error_and_claims_count_the_seeds_they_held_on():
+    seeds = [{"leap": summary("leap", 0.50, 100, 10), "multiturn": summary("multiturn", 0.50, 200, 20),
+              "single": summary("single", 0.25, 50, 5)},
+             {"leap": summary("leap", 0.25, 120, 12), "multiturn": summary("multiturn", 0.50, 210, 22),
+              "single": summary("single", 0.50, 60, 6)}]
+    spreads = compare.across_seeds(seeds, ["pass_at_1/turn_2"])
+    leap = spreads["leap"]["pass_at_1/turn_2"]
+    assert (leap.mean, leap.n) == (0.375, 2)
+    assert math.isclose(leap.se, 0.125)  # sample sd 0.1768 over sqrt(2)
+    assert spreads["multiturn"]["pass_at_1/turn_2"].se == 0.0
+    assert spreads["single"]["evaluations"].mean == 55
+    assert str(leap) == "0.375 ± 0.125" and "± standard error over 2 seeds" in compare.seeds_table(
+        spreads, ["pass_at_1/turn_2"], 2).replace("mean ± standard error", "± standard error")
+    first, second = compare.dcp_claims(seeds, "pass_at_1/turn_2")
+    # seed 0: LEAP matched multiturn (0.50) cheaper: held; seed 1: it fell short (0.25 < 0.50)
+    assert first.startswith("- LEAP reaches") and "mixed here (1 of 2 seeds" in first and "2.00x fewer" not in first
+    # multiturn beat single on seed 0 (0.50 > 0.25), tied on seed 1: a tie is not a win
+    assert "multi-turn beats single-turn" in second and "mixed here (1 of 2 seeds" in second
+    one = compare.dcp_claims([seeds[0]], "pass_at_1/turn_2")
+    assert all("held here (1 of 1 seeds" in line for line in one)
+    assert compare.dcp_claims([{"single": seeds[0]["single"]}], "pass_at_1/turn_2") == []  # nothing to compare
+
+
+def test_a_metric_a_run_never_logged_is_left_out_of_its_spread():
+    assert compare.spread([0.5, math.nan, 0.25]).n == 2
+    empty = compare.spread([math.nan])
+    assert empty.n == 0 and math.isnan(empty.mean)

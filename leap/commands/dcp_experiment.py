@@ -6,13 +6,16 @@ mode inherits another's warm caches), then writes a table and a plot of pass@1 b
 on fresh samples of the training tasks, and on the held-out tasks — against the sandbox
 evaluations and the wall-clock seconds each mode spent, and how much less LEAP spent than
 multiturn to reach the same accuracy on the training tasks at the last turn (the lower of
-the two modes' final ones).
+the two modes' final ones). Every mode runs once per seed (`--seeds`, default 3); with more
+than one, the top report gives each figure's mean and standard error over the seeds and says,
+claim by claim, on how many seeds the paper's claims held.
 
 The seed paper reports LEAP reaching the same accuracy 1.93x faster than unpruned
 multi-turn while expanding 43.9% of groups; this command reports what this machine gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,6 +29,9 @@ def add_parser(subparsers) -> None:
                                    description=__doc__)
     parser.add_argument("--out", default="runs/dcp-experiment", help="output directory (default runs/dcp-experiment)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (default all)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds to repeat every mode with: --seed, --seed + 1, ... "
+                                                             "(default 3); the report gives each figure's mean and "
+                                                             "standard error over them")
     add_training_options(parser, eval_every=5)
     parser.set_defaults(func=run)
 
@@ -39,21 +45,38 @@ def run(args, _extra) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise UserError(f"--modes: choose from {', '.join(MODES)}, not {args.modes!r}")
+    if args.seeds < 1:
+        raise UserError("--seeds must be at least 1")
     out = Path(args.out)
     toolchain = demo_toolchain()
     model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, args.quiet)
-    runs = {}
-    for mode in modes:
-        say(f"\n== {mode} ==")
-        try:
-            runs[mode] = train_mode(args, mode, model, toolchain, out / mode)
-        except (RunFailed, RuntimeError, TimeoutError) as err:
-            raise UserError(f"{mode}: {err}") from None
-    report(args, runs, out)
+    seeds = [args.seed + number for number in range(args.seeds)]
+    per_seed = []
+    for seed in seeds:
+        runs = {}
+        for mode in modes:
+            say(f"\n== {mode}, seed {seed} ==")
+            try:
+                runs[mode] = train_mode(args, mode, model, toolchain, seed_dir(out, seed, len(seeds)) / mode, seed)
+            except (RunFailed, RuntimeError, TimeoutError) as err:
+                raise UserError(f"{mode}, seed {seed}: {err}") from None
+        per_seed.append(report(args, runs, seed_dir(out, seed, len(seeds)), seed))
+    if len(seeds) > 1:
+        report_seeds(args, seeds, per_seed, out)
     return 0
 
 
-def train_mode(args, mode: str, model: Path, toolchain: int, work: Path) -> list[dict]:
+def seed_dir(out: Path, seed: int, seeds: int) -> Path:
+    """Where one seed's runs and report go: `out` itself with one seed, else out/seed-N."""
+    return out if seeds == 1 else out / f"seed-{seed}"
+
+
+def metrics_of(turns: int) -> list[str]:
+    """The reported metrics: pass@1 at turn 1 and the last, on training tasks then held-out ones."""
+    return [f"{prefix}pass_at_1/turn_{t}" for prefix in ("train_tasks/", "") for t in dict.fromkeys((1, turns))]
+
+
+def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: int) -> list[dict]:
     """One mode on a stack of its own; its events as plain dicts."""
     from google.protobuf import json_format
 
@@ -67,7 +90,7 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path) -> list
         model_path=str(model.resolve()), steps=args.steps, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, mode=trainer_pb2.TrainMode.Value(MODES[mode]),
         max_turns=1 if mode == "single" else args.max_turns, eval_turns=args.max_turns, toolchain=toolchain,
-        seed=args.seed, eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=True,
+        seed=seed, eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=True,
         display_name=f"dcp {mode}",
         checkpoint_every=args.steps, optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate))
     with experiment_stack(work, model) as stack:
@@ -85,13 +108,14 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path) -> list
     return events
 
 
-def report(args, runs: dict[str, list[dict]], out: Path) -> None:
+def report(args, runs: dict[str, list[dict]], out: Path, seed: int) -> dict:
+    """One seed's table, plot and claims; returns its {mode: Summary}."""
     from leap.commands.demo import say
     from leap.experiments import compare
 
     turns = args.max_turns
-    metrics = [f"{prefix}pass_at_1/turn_{t}" for prefix in ("train_tasks/", "") for t in (1, turns)]
-    target_metric = metrics[1]  # the training tasks at the last turn: what training improves
+    metrics = metrics_of(turns)
+    target_metric = metrics[len(metrics) // 2 - 1]  # the training tasks at the last turn: what training improves
     reference = "multiturn" if "multiturn" in runs else next(iter(runs))
     # The common accuracy: the lower of LEAP's and multiturn's last, which both reached.
     finals = [compare.curve(runs[name], target_metric) for name in ("leap", reference) if name in runs]
@@ -99,7 +123,7 @@ def report(args, runs: dict[str, list[dict]], out: Path) -> None:
     summaries = [compare.summarize(name, events, metrics, target_metric, target) for name, events in runs.items()]
     table = compare.markdown_table(summaries, metrics, f"{target:.3f}")
     lines = [f"# DCP experiment: {args.steps} steps per mode, B={args.tasks_per_step}, G={args.group_size}, "
-             f"K={turns}, seed {args.seed}", "", table, ""]
+             f"K={turns}, seed {seed}", "", table, ""]
     by_name = {s.name: s for s in summaries}
     if "leap" in by_name and reference == "multiturn":
         leap, multi = by_name["leap"], by_name["multiturn"]
@@ -114,7 +138,8 @@ def report(args, runs: dict[str, list[dict]], out: Path) -> None:
                          f"{args.steps} steps; it spent {compare.ratio(multi.evaluations, leap.evaluations):.2f}x fewer "
                          f"sandbox evaluations and {compare.ratio(multi.seconds, leap.seconds):.2f}x less wall-clock "
                          f"in all, expanding {leap.expanded_share:.1%} of groups.")
-    plot = compare.plot_curves(runs, [metrics[1], metrics[3]], out / "dcp.png", title="pass@1 against training cost")
+    lines += ["", "The papers' claims on this seed:", *compare.dcp_claims([by_name], metrics[-1])]
+    plot = compare.plot_curves(runs, [target_metric, metrics[-1]], out / "dcp.png", title="pass@1 against training cost")
     lines += ["", f"plot: {plot}"]
     text = "\n".join(lines)
     (out / "report.md").write_text(text + "\n")
@@ -122,4 +147,28 @@ def report(args, runs: dict[str, list[dict]], out: Path) -> None:
                                                           "seconds": s.seconds, "expanded_share": s.expanded_share,
                                                           "reached": s.reached.__dict__ if s.reached else None}
                                                  for s in summaries}, indent=2) + "\n")
+    say("\n" + text + f"\nreport: {out / 'report.md'}")
+    return by_name
+
+
+def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> None:
+    """The figures over seeds (mean ± standard error) and whether each claim held on every seed."""
+    from leap.commands.demo import say
+    from leap.experiments import compare
+
+    metrics = metrics_of(args.max_turns)
+    spreads = compare.across_seeds(per_seed, metrics)
+    lines = [f"# DCP experiment over seeds {', '.join(map(str, seeds))}: {args.steps} steps per mode, "
+             f"B={args.tasks_per_step}, G={args.group_size}, K={args.max_turns}", "",
+             compare.seeds_table(spreads, metrics, len(seeds)), "", "The papers' claims, seed by seed:",
+             *compare.dcp_claims(per_seed, metrics[-1]), "",
+             "each seed's table, plot and runs: " + ", ".join(str(seed_dir(out, s, len(seeds))) for s in seeds)]
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text + "\n")
+    (out / "report.json").write_text(json.dumps({
+        "seeds": seeds,
+        "runs": {name: {figure: dataclasses.asdict(value) for figure, value in figures.items()}
+                 for name, figures in spreads.items()},
+        "claims": compare.dcp_claims(per_seed, metrics[-1]),
+    }, indent=2) + "\n")
     say("\n" + text + f"\nreport: {out / 'report.md'}")

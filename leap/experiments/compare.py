@@ -109,3 +109,99 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping]], metrics: Sequence[str], p
             axis.grid(alpha=0.3)
             axis.legend(fontsize=8)
     return save_figure(figure, path, title)
+
+
+# -- over seeds ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """A figure over seeds: its mean, the standard error of that mean, and the seeds counted."""
+
+    mean: float
+    se: float
+    n: int
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f} ± {self.se:.3f}" if self.n > 1 else f"{self.mean:.3f}"
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """Mean and standard error of the values that are numbers (a metric a run never logged is nan)."""
+    from leap.evaluation import standard_error
+
+    kept = [float(v) for v in values if not math.isnan(float(v))]
+    if not kept:
+        return Spread(math.nan, math.nan, 0)
+    return Spread(sum(kept) / len(kept), standard_error(kept), len(kept))
+
+
+def across_seeds(per_seed: Sequence[Mapping[str, Summary]], metrics: Sequence[str]) -> dict[str, dict[str, Spread]]:
+    """{run name: {figure: Spread over seeds}} for each metric's final value, the sandbox
+    evaluations, the seconds and the expanded share; `per_seed` holds one {name: Summary} per seed."""
+    names = [name for name in per_seed[0]] if per_seed else []
+    out: dict[str, dict[str, Spread]] = {}
+    for name in names:
+        runs = [seed[name] for seed in per_seed if name in seed]
+        figures = {m: spread([s.final[m] for s in runs]) for m in metrics}
+        figures["evaluations"] = spread([s.evaluations for s in runs])
+        figures["seconds"] = spread([s.seconds for s in runs])
+        figures["expanded_share"] = spread([s.expanded_share for s in runs])
+        out[name] = figures
+    return out
+
+
+def seeds_table(spreads: Mapping[str, Mapping[str, Spread]], metrics: Sequence[str], seeds: int) -> str:
+    """A markdown table of mean ± standard error over `seeds` seeds."""
+    header = ["run", *[label(m) for m in metrics], "sandbox evals", "train s", "expanded"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, figures in spreads.items():
+        cells = [name, *[str(figures[m]) for m in metrics],
+                 f"{figures['evaluations'].mean:,.0f} ± {figures['evaluations'].se:,.0f}",
+                 f"{figures['seconds'].mean:,.0f} ± {figures['seconds'].se:,.0f}",
+                 f"{figures['expanded_share'].mean:.0%}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + f"\n\n(mean ± standard error over {seeds} seed{'s' if seeds != 1 else ''})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A paper's claim checked seed by seed: whether it held in each, and the line that says so."""
+
+    text: str
+    held: tuple[bool, ...]
+
+    @property
+    def verdict(self) -> str:
+        if self.held and all(self.held):
+            return "held"
+        return "did not hold" if not any(self.held) else "mixed"
+
+    def line(self, detail: str) -> str:
+        return f"- {self.text}: {self.verdict} here ({sum(self.held)} of {len(self.held)} seeds; {detail})"
+
+
+def dcp_claims(per_seed: Sequence[Mapping[str, Summary]], heldout_last: str) -> list[str]:
+    """The DCP paper's claims, one line each, over the seeds that ran the modes they compare:
+    LEAP reaches unpruned multi-turn's held-out pass@1 at the last turn with fewer sandbox
+    evaluations and less wall-clock; multi-turn beats single-turn on held-out pass@1 at the
+    last turn. A claim whose modes did not run is left out."""
+    lines = []
+    both = [s for s in per_seed if "leap" in s and "multiturn" in s]
+    if both:
+        claim = Claim("LEAP reaches unpruned multi-turn's held-out pass@1 with fewer sandbox evaluations and less "
+                      "wall-clock", tuple(s["leap"].final[heldout_last] >= s["multiturn"].final[heldout_last] - 1e-12
+                                          and s["leap"].evaluations < s["multiturn"].evaluations
+                                          and s["leap"].seconds < s["multiturn"].seconds for s in both))
+        leap = across_seeds(both, [heldout_last])
+        lines.append(claim.line(
+            f"{label(heldout_last)} {leap['leap'][heldout_last]} against {leap['multiturn'][heldout_last]}, "
+            f"evaluations {ratio(leap['multiturn']['evaluations'].mean, leap['leap']['evaluations'].mean):.2f}x "
+            f"fewer, wall-clock {ratio(leap['multiturn']['seconds'].mean, leap['leap']['seconds'].mean):.2f}x less"))
+    pairs = [s for s in per_seed if "multiturn" in s and "single" in s]
+    if pairs:
+        claim = Claim(f"multi-turn beats single-turn on {label(heldout_last)}",
+                      tuple(s["multiturn"].final[heldout_last] > s["single"].final[heldout_last] for s in pairs))
+        figures = across_seeds(pairs, [heldout_last])
+        lines.append(claim.line(f"{figures['multiturn'][heldout_last]} against {figures['single'][heldout_last]}"))
+    return lines
