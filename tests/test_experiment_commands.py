@@ -103,10 +103,16 @@ def test_the_dcp_experiment_compares_modes_in_a_table_and_a_plot(tiny_model_dir,
 def test_expand_compress_trains_teachers_distils_a_student_and_measures_all(tiny_model_dir, tmp_path):
     done = leap("expand-compress", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--rounds", "1",
                 "--steps-per-round", "1", "--distill-steps", "1", "--ablations", "crd", "--tasks-per-step", "2",
-                "--group-size", "2", "--max-turns", "2", "--eval-samples", "2", "--quiet")
+                "--group-size", "2", "--max-turns", "2", "--eval-samples", "2", "--seeds", "2", "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((tmp_path / "report.json").read_text())
-    assert results["teachers"] == ["teacher-1"] and results["students"] == {"crd": "student-crd"}
-    for split in ("train", "heldout"):
-        assert set(results["sets"][split]["pass_at_1"]) == {"initial", "teacher-1", "student-crd"}
-    assert (tmp_path / "expand_compress.png").is_file()
+    for seed in (0, 1):
+        results = json.loads((tmp_path / f"seed-{seed}" / "report.json").read_text())
+        assert results["teachers"] == ["teacher-1"] and results["students"] == {"crd": "student-crd"}
+        for split in ("train", "heldout"):
+            assert set(results["sets"][split]["pass_at_1"]) == {"initial", "teacher-1", "student-crd"}
+        assert (tmp_path / f"seed-{seed}" / "expand_compress.png").is_file()
+    over = json.loads((tmp_path / "report.json").read_text())
+    assert over["seeds"] == [0, 1] and over["pass_at_1"]["student-crd"]["heldout"]["n"] == 2
+    assert [line.split(":")[0] for line in over["claims"]] == [
+        "- the student-crd student beats its strongest teacher on the training tasks (fresh samples)",
+        "- the student-crd student beats its strongest teacher on the held-out tasks"]

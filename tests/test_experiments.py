@@ -107,3 +107,13 @@ def test_a_metric_a_run_never_logged_is_left_out_of_its_spread():
     assert compare.spread([0.5, math.nan, 0.25]).n == 2
     empty = compare.spread([math.nan])
     assert empty.n == 0 and math.isnan(empty.mean)
+
+
+def test_the_student_claim_counts_the_seeds_where_the_student_beat_its_strongest_teacher():
+    rates = [{"teacher-1": 0.5, "teacher-2": 0.25, "student-crd": 0.75},
+             {"teacher-1": 0.25, "teacher-2": 0.5, "student-crd": 0.5}]  # a tie with the best: not a win
+    line = compare.student_claim(rates, [["teacher-1", "teacher-2"]] * 2, "student-crd", "held-out tasks")
+    assert line.startswith("- the student-crd student beats its strongest teacher on the held-out tasks: mixed here")
+    assert "(1 of 2 seeds; 0.625 ± 0.125 against 0.500 ± 0.000)" in line
+    assert compare.seed_dir(compare.Path("out"), 4, 1) == compare.Path("out")
+    assert compare.seed_dir(compare.Path("out"), 4, 3) == compare.Path("out/seed-4")

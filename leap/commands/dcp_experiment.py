@@ -39,6 +39,7 @@ def add_parser(subparsers) -> None:
 def run(args, _extra) -> int:
     from leap.cli import UserError
     from leap.commands.demo import bootstrap, check_args, demo_toolchain, say
+    from leap.experiments.compare import seed_dir
     from leap.experiments.runs import RunFailed
 
     check_args(args)
@@ -64,11 +65,6 @@ def run(args, _extra) -> int:
     if len(seeds) > 1:
         report_seeds(args, seeds, per_seed, out)
     return 0
-
-
-def seed_dir(out: Path, seed: int, seeds: int) -> Path:
-    """Where one seed's runs and report go: `out` itself with one seed, else out/seed-N."""
-    return out if seeds == 1 else out / f"seed-{seed}"
 
 
 def metrics_of(turns: int) -> list[str]:
@@ -162,7 +158,7 @@ def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> Non
              f"B={args.tasks_per_step}, G={args.group_size}, K={args.max_turns}", "",
              compare.seeds_table(spreads, metrics, len(seeds)), "", "The papers' claims, seed by seed:",
              *compare.dcp_claims(per_seed, metrics[-1]), "",
-             "each seed's table, plot and runs: " + ", ".join(str(seed_dir(out, s, len(seeds))) for s in seeds)]
+             "each seed's table, plot and runs: " + ", ".join(str(compare.seed_dir(out, s, len(seeds))) for s in seeds)]
     text = "\n".join(lines)
     (out / "report.md").write_text(text + "\n")
     (out / "report.json").write_text(json.dumps({

@@ -8,10 +8,14 @@ on the held-out tasks, and the command writes a table and a plot.
 
 The seed paper reports the student beating its strongest teacher by 2.0%, 8.3% and 6.9%
 (relative) on math, code and instruction following; this command reports what this machine
-gives, whichever way it goes."""
+gives, whichever way it goes. The whole experiment runs once per seed (`--seeds`, default 3,
+each on a fresh stack under OUT/seed-N); the top report gives every pass@1 as mean ± standard
+error over the seeds and says on how many seeds each student beat its strongest teacher."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -41,6 +45,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per task for q and for the final "
                                                                    "measurement (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds to repeat the whole experiment with: --seed, "
+                                                             "--seed + 1, ... (default 3); the report gives each "
+                                                             "pass@1's mean and standard error over them")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -48,7 +55,7 @@ def add_parser(subparsers) -> None:
 def check_args(args) -> list[str]:
     from leap.cli import UserError
 
-    for name in ("rounds", "steps_per_round", "distill_steps", "tasks_per_step", "max_turns", "eval_samples"):
+    for name in ("rounds", "steps_per_round", "distill_steps", "tasks_per_step", "max_turns", "eval_samples", "seeds"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.group_size < 2:
@@ -62,6 +69,7 @@ def check_args(args) -> list[str]:
 def run(args, _extra) -> int:
     from leap.cli import UserError
     from leap.commands.demo import bootstrap, demo_toolchain, say
+    from leap.experiments.compare import seed_dir
     from leap.experiments.runs import RunFailed
     from leap.experiments.stack import experiment_stack
 
@@ -69,15 +77,22 @@ def run(args, _extra) -> int:
     out = Path(args.out)
     toolchain = demo_toolchain()
     model = Path(args.model).resolve() if args.model else bootstrap(out / "model", toolchain, args.quiet).resolve()
-    say(f"starting the services (logs in {out / 'stack' / 'logs'}) ...")
-    try:
-        with experiment_stack(out / "stack", model) as stack:
-            union = train_teachers(args, stack.addresses, model, toolchain)
-            students = {name: distil(args, stack.addresses, model, toolchain, union, name) for name in ablations}
-            results = measure_all(args, stack.addresses, model, toolchain, union, students)
-    except (RunFailed, RuntimeError, TimeoutError) as err:
-        raise UserError(str(err)) from None
-    report(args, results, out)
+    seeds = [args.seed + number for number in range(args.seeds)]
+    per_seed = []
+    for seed in seeds:
+        work, this = seed_dir(out, seed, len(seeds)), argparse.Namespace(**{**vars(args), "seed": seed})
+        say(f"\n== seed {seed}: starting the services (logs in {work / 'stack' / 'logs'}) ...")
+        try:
+            with experiment_stack(work / "stack", model) as stack:
+                union = train_teachers(this, stack.addresses, model, toolchain)
+                students = {name: distil(this, stack.addresses, model, toolchain, union, name) for name in ablations}
+                results = measure_all(this, stack.addresses, model, toolchain, union, students)
+        except (RunFailed, RuntimeError, TimeoutError) as err:
+            raise UserError(f"seed {seed}: {err}") from None
+        report(this, results, work)
+        per_seed.append(results)
+    if len(seeds) > 1:
+        report_seeds(args, seeds, per_seed, out)
     return 0
 
 
@@ -211,6 +226,36 @@ def report(args, results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(text + "\n")
     (out / "report.json").write_text(json.dumps(results, indent=2) + "\n")
+    say("\n" + text + f"\nreport: {out / 'report.md'}")
+
+
+def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> None:
+    """Every model's pass@1 as mean ± standard error over the seeds, and on how many seeds each
+    student beat its strongest teacher."""
+    from leap.commands.demo import say
+    from leap.experiments import compare
+
+    names = list(per_seed[0]["sets"]["train"]["pass_at_1"])
+    # Teachers are named by round (teacher-1, ...) in every seed, so rows line up across seeds.
+    lines = [f"# Expand then compress over seeds {', '.join(map(str, seeds))}: R={args.rounds} rounds x "
+             f"{args.steps_per_round} RGRPO steps, {args.distill_steps} TU-OPD steps per student", "",
+             "| model | " + " | ".join(f"{split} pass@1" for split in TASK_SETS) + " |",
+             "|---|" + "---|" * len(TASK_SETS)]
+    spreads = {name: {split: compare.spread([r["sets"][split]["pass_at_1"].get(name, float("nan")) for r in per_seed])
+                      for split in TASK_SETS} for name in names}
+    lines += [f"| {name} | " + " | ".join(str(spreads[name][split]) for split in TASK_SETS) + " |" for name in names]
+    lines += ["", f"(mean ± standard error over {len(seeds)} seeds)", "", "The paper's claim, seed by seed:"]
+    claims = [compare.student_claim([r["sets"][split]["pass_at_1"] for r in per_seed],
+                                    [r["teachers"] for r in per_seed], student, label)
+              for student in per_seed[0]["students"].values() for split, label in TASK_SETS.items()]
+    lines += claims
+    lines += ["", "each seed's table, plot and runs: "
+              + ", ".join(str(compare.seed_dir(out, s, len(seeds))) for s in seeds)]
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text + "\n")
+    (out / "report.json").write_text(json.dumps({
+        "seeds": seeds, "pass_at_1": {name: {split: dataclasses.asdict(value) for split, value in figures.items()}
+                                      for name, figures in spreads.items()}, "claims": claims}, indent=2) + "\n")
     say("\n" + text + f"\nreport: {out / 'report.md'}")
 
 

@@ -114,6 +114,11 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping]], metrics: Sequence[str], p
 # -- over seeds ------------------------------------------------------------------------------
 
 
+def seed_dir(out: Path, seed: int, seeds: int) -> Path:
+    """Where one seed's runs and report go: `out` itself when there is one seed, else out/seed-N."""
+    return out if seeds == 1 else out / f"seed-{seed}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Spread:
     """A figure over seeds: its mean, the standard error of that mean, and the seeds counted."""
@@ -205,3 +210,14 @@ def dcp_claims(per_seed: Sequence[Mapping[str, Summary]], heldout_last: str) -> 
         figures = across_seeds(pairs, [heldout_last])
         lines.append(claim.line(f"{figures['multiturn'][heldout_last]} against {figures['single'][heldout_last]}"))
     return lines
+
+
+def student_claim(rates_by_seed: Sequence[Mapping[str, float]], teachers_by_seed: Sequence[Sequence[str]],
+                  student: str, set_label: str) -> str:
+    """The expand-then-compress claim, seed by seed: the student's pass@1 above its strongest
+    teacher's (a tie is not a win). `rates_by_seed` holds {model: pass@1} of one task set per seed."""
+    best = [max(rates[t] for t in teachers) for rates, teachers in zip(rates_by_seed, teachers_by_seed)]
+    mine = [rates[student] for rates in rates_by_seed]
+    claim = Claim(f"the {student} student beats its strongest teacher on the {set_label}",
+                  tuple(m > b for m, b in zip(mine, best)))
+    return claim.line(f"{spread(mine)} against {spread(best)}")
