@@ -15,7 +15,6 @@ multi-turn while expanding 43.9% of groups; this command reports what this machi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -54,14 +53,14 @@ def run(args, _extra) -> int:
     seeds = [args.seed + number for number in range(args.seeds)]
     per_seed = []
     for seed in seeds:
-        runs = {}
+        work, runs = seed_dir(out, seed, len(seeds)), {}
         for mode in modes:
             say(f"\n== {mode}, seed {seed} ==")
             try:
-                runs[mode] = train_mode(args, mode, model, toolchain, seed_dir(out, seed, len(seeds)) / mode, seed)
+                runs[mode] = train_mode(args, mode, model, toolchain, work / mode, seed)
             except (RunFailed, RuntimeError, TimeoutError) as err:
                 raise UserError(f"{mode}, seed {seed}: {err}") from None
-        per_seed.append(report(args, runs, seed_dir(out, seed, len(seeds)), seed))
+        per_seed.append(report(args, runs, work, seed))
     if len(seeds) > 1:
         report_seeds(args, seeds, per_seed, out)
     return 0
@@ -154,17 +153,18 @@ def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> Non
 
     metrics = metrics_of(args.max_turns)
     spreads = compare.across_seeds(per_seed, metrics)
+    claims = compare.dcp_claims(per_seed, metrics[-1])
     lines = [f"# DCP experiment over seeds {', '.join(map(str, seeds))}: {args.steps} steps per mode, "
              f"B={args.tasks_per_step}, G={args.group_size}, K={args.max_turns}", "",
              compare.seeds_table(spreads, metrics, len(seeds)), "", "The papers' claims, seed by seed:",
-             *compare.dcp_claims(per_seed, metrics[-1]), "",
+             *claims, "",
              "each seed's table, plot and runs: " + ", ".join(str(compare.seed_dir(out, s, len(seeds))) for s in seeds)]
     text = "\n".join(lines)
     (out / "report.md").write_text(text + "\n")
     (out / "report.json").write_text(json.dumps({
         "seeds": seeds,
-        "runs": {name: {figure: dataclasses.asdict(value) for figure, value in figures.items()}
+        "runs": {name: {figure: value.to_json() for figure, value in figures.items()}
                  for name, figures in spreads.items()},
-        "claims": compare.dcp_claims(per_seed, metrics[-1]),
+        "claims": claims,
     }, indent=2) + "\n")
     say("\n" + text + f"\nreport: {out / 'report.md'}")

@@ -15,7 +15,6 @@ error over the seeds and says on how many seeds each student beat its strongest 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -254,7 +253,7 @@ def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> Non
     text = "\n".join(lines)
     (out / "report.md").write_text(text + "\n")
     (out / "report.json").write_text(json.dumps({
-        "seeds": seeds, "pass_at_1": {name: {split: dataclasses.asdict(value) for split, value in figures.items()}
+        "seeds": seeds, "pass_at_1": {name: {split: value.to_json() for split, value in figures.items()}
                                       for name, figures in spreads.items()}, "claims": claims}, indent=2) + "\n")
     say("\n" + text + f"\nreport: {out / 'report.md'}")
 

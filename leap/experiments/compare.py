@@ -130,6 +130,11 @@ class Spread:
     def __str__(self) -> str:
         return f"{self.mean:.3f} ± {self.se:.3f}" if self.n > 1 else f"{self.mean:.3f}"
 
+    def to_json(self) -> dict:
+        """The fields, with null for a figure no seed logged (NaN is not JSON other languages read)."""
+        return {name: None if isinstance(value, float) and math.isnan(value) else value
+                for name, value in dataclasses.asdict(self).items()}
+
 
 def spread(values: Sequence[float]) -> Spread:
     """Mean and standard error of the values that are numbers (a metric a run never logged is nan)."""
