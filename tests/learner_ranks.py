@@ -27,6 +27,7 @@ def main(model_dir: str, out_dir: str) -> None:
     if not world.is_driver:
         follow()
         leave_process_group()
+        check_joined_once(world)
         return
     out = Path(out_dir)
     learner = Learner(LearnerSettings(model_dir, **SETTINGS_KW))
@@ -41,12 +42,20 @@ def main(model_dir: str, out_dir: str) -> None:
     resumed_updates = reloaded.updates
     reloaded.close()
     release_followers(world)
+    check_joined_once(world)
     torch.save(weights, out / "weights.pt")
     (out / "result.json").write_text(json.dumps({
         "world_size": world.size, "stats": stats, "fingerprints": fingerprints,
         "resumed_step": state["step"], "resumed_updates": resumed_updates,
         "reloaded_equal": all(torch.equal(weights[k], again[k]) for k in weights),
     }))
+
+
+def check_joined_once(world) -> None:
+    """After leaving, asking for the world again must not join a second time (that join met
+    the first one's stale keys in torchrun's store and hung about one launch in two)."""
+    if current_world() is not world or torch.distributed.is_initialized():
+        raise SystemExit(f"rank {world.rank}: current_world() joined the process group again after leaving it")
 
 
 if __name__ == "__main__":

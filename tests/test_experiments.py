@@ -91,11 +91,14 @@ def test_figures_over_seeds_are_mean_and_standard_error_and_claims_count_the_see
     assert math.isclose(leap.se, 0.125)  # sample sd 0.1768 over sqrt(2)
     assert spreads["multiturn"]["pass_at_1/turn_2"].se == 0.0
     assert spreads["single"]["evaluations"].mean == 55
-    assert str(leap) == "0.375 ± 0.125" and "± standard error over 2 seeds" in compare.seeds_table(
-        spreads, ["pass_at_1/turn_2"], 2).replace("mean ± standard error", "± standard error")
+    assert str(leap) == "0.375 ± 0.125"
+    table = compare.seeds_table(spreads, ["pass_at_1/turn_2"], 2)
+    assert "| leap | 0.375 ± 0.125 | 110 ± 10 | 11 ± 1 | 50% |" in table
+    assert table.endswith("(mean ± standard error over 2 seeds)")
     first, second = compare.dcp_claims(seeds, "pass_at_1/turn_2")
     # seed 0: LEAP matched multiturn (0.50) cheaper: held; seed 1: it fell short (0.25 < 0.50)
-    assert first.startswith("- LEAP reaches") and "mixed here (1 of 2 seeds" in first and "2.00x fewer" not in first
+    assert first.startswith("- LEAP reaches") and "mixed here (1 of 2 seeds" in first
+    assert "evaluations 1.86x fewer, wall-clock 1.91x less" in first  # 205 / 110 and 21 / 11, over the seeds' means
     # multiturn beat single on seed 0 (0.50 > 0.25), tied on seed 1: a tie is not a win
     assert "multi-turn beats single-turn" in second and "mixed here (1 of 2 seeds" in second
     one = compare.dcp_claims([seeds[0]], "pass_at_1/turn_2")
@@ -107,6 +110,8 @@ def test_a_metric_a_run_never_logged_is_left_out_of_its_spread():
     assert compare.spread([0.5, math.nan, 0.25]).n == 2
     empty = compare.spread([math.nan])
     assert empty.n == 0 and math.isnan(empty.mean)
+    assert empty.to_json() == {"mean": None, "se": None, "n": 0}  # written as null, which any JSON reader takes
+    assert compare.spread([0.5, 0.25]).to_json() == {"mean": 0.375, "se": 0.125, "n": 2}
 
 
 def test_the_student_claim_counts_the_seeds_where_the_student_beat_its_strongest_teacher():
