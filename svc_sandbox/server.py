@@ -91,8 +91,9 @@ class SandboxConfig(ServerConfig):
                                       "served as tasks of the kernelbench toolchain; comma-separated.")
     task_families: list[str] = option([], "Generated task families served beside the built-in suite, each NAME or "
                                           "NAME:COUNT (the family's first COUNT tasks of task_family_seed, 1000 when no "
-                                          "count is given), comma-separated, for example "
-                                          "--task-families=elementwise:5000. Families: " + ", ".join(families.FAMILIES) + ".")
+                                          "count is given), or NAME@TIER:COUNT (its first COUNT of difficulty tier 1, 2 or "
+                                          "3), comma-separated, for example "
+                                          "--task-families=elementwise:5000,rows@1. Families: " + ", ".join(families.FAMILIES) + ".")
     task_family_seed: int = option(0, "Seed of the generated tasks (task_families): a task id names its seed, so "
                                       "servers with different seeds serve different tasks under different ids.",
                                    minimum=0)
@@ -602,8 +603,8 @@ def load_tasks(config: SandboxConfig) -> dict[str, sandbox_pb2.Task]:
         generated = families.parse_served(config.task_families)
     except ValueError as err:
         raise StartupError(f"task_families: {err}") from None
-    for name, count in generated:
-        served.update((t.id, t) for t in families.generate_many(name, config.task_family_seed, count))
+    for entry in generated:
+        served.update((t.id, t) for t in families.served_tasks(entry, config.task_family_seed))
     return served
 
 

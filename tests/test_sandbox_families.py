@@ -121,6 +121,8 @@ def test_a_family_task_the_service_does_not_serve_is_not_found(sandbox):
     (["elementwise:0"], "whole number from 1"),
     (["elementwise:ten"], "whole number from 1"),
     (["elementwise", "elementwise:5"], "named twice"),
+    (["elementwise@4"], "tier after @ must be 1, 2 or 3"),
+    (["elementwise@:5"], "tier after @ must be 1, 2 or 3"),
 ])
 def test_a_bad_task_families_setting_stops_the_service_at_start_naming_it(entries, says):
     config = SandboxConfig(task_families=entries)
@@ -132,3 +134,14 @@ def test_a_bad_task_families_setting_stops_the_service_at_start_naming_it(entrie
 def test_with_no_families_set_the_service_serves_the_suite_alone():
     servicer = service_spec("sandbox").build(SandboxConfig()).registrations[0].servicer
     assert len(servicer.suite) == BUILTIN and not servicer.families
+
+
+def test_a_tier_entry_serves_the_first_tasks_of_that_tier_alone():
+    config = SandboxConfig(task_families=["elementwise@1:20", "rows:5"], task_family_seed=3)
+    suite = service_spec("sandbox").build(config).registrations[0].servicer.suite
+    elementwise = sorted((t for t in suite.values() if t.family == "elementwise"), key=lambda t: int(t.id.rsplit(".i", 1)[1]))
+    assert len(elementwise) == 20 and {t.tier for t in elementwise} == {1}
+    assert [t.id for t in elementwise] == [families.generate("elementwise", 3, i).id
+                                           for i in families.tier_indices("elementwise", 3, 1, 20)]
+    assert sorted(t.id for t in suite.values() if t.family == "rows") == sorted(
+        t.id for t in families.generate_many("rows", 3, 5))

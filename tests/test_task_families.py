@@ -185,3 +185,17 @@ def test_cuda_solutions_compile_with_nvcc(tmp_path, family):
         path.write_text(source)
         done = subprocess.run(["nvcc", "-c", "-o", str(tmp_path / f"t{index}.o"), str(path)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("name", ["gemm", "stencil", "elementwise"])
+def test_tier_indices_are_the_first_indices_of_that_tier_in_order(name):
+    module = families.family(name)
+    scanned = min(module.SIZE, 3000)
+    tiers = [families.generate(name, 2, index).tier for index in range(scanned)]
+    for tier in (1, 2, 3):
+        want = [index for index, t in enumerate(tiers) if t == tier][:15]
+        got = families.tier_indices(name, 2, tier, 15)
+        if len(want) == 15:
+            assert got == want
+        else:  # fewer than 15 among the scanned indices: the found ones start the list
+            assert got[:len(want)] == want and all(families.generate(name, 2, i).tier == tier for i in got)

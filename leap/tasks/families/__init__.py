@@ -11,11 +11,14 @@ Blueprint into a Task proto (FULL view: reference, cpu and cuda solutions, broke
     task_from_id("fam.elementwise.s0.i7")           -> the same Task (KeyError when not a family id)
 
 The sandbox serves the first COUNT tasks of a seed beside the built-in suite when its
-`task_families` setting names them (`parse_served` reads that setting).
+`task_families` setting names them (`parse_served` reads that setting), or the first COUNT
+of one difficulty tier (`NAME@TIER:COUNT`, `served_tasks`): the easiest tier of a large
+family is a small share of it, so its first tasks hold almost none of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -62,15 +65,63 @@ DEFAULT_SERVED = 1000  # tasks of a family a server serves when its setting give
 MAX_SERVED = 100_000  # most tasks of one family a server holds (about 3.5 KB each)
 
 
-def parse_served(entries: Sequence[str]) -> list[tuple[str, int]]:
-    """(family, count) of each entry of a `NAME` or `NAME:COUNT` list (a server's setting:
-    the first COUNT tasks of the family; DEFAULT_SERVED when no count is given). ValueError
-    naming the entry when a family is unknown, named twice, or its count is not a whole
-    number in 1..min(MAX_SERVED, the family's size)."""
-    served: dict[str, int] = {}
+def tier_of(name: str, number: int) -> int:
+    """The difficulty tier (1-3) of structure `number` of family `name`: the family's own
+    `tier_of` where it has one (cheap), else the tier of the structure's task built with a
+    fixed size generator (a tier never depends on sizes)."""
+    module = family(name)
+    if hasattr(module, "tier_of"):
+        return module.tier_of(number)
+    return module.build(number, core.task_rng(name, 0, 0)).tier
+
+
+def tier_indices(name: str, seed: int, tier: int, count: int) -> list[int]:
+    """The first `count` indices of `seed` in family `name` whose structure has tier `tier`
+    (fewer when the family has fewer)."""
+    module = family(name)
+    key = core._seed_key(name, seed)
+    found: list[int] = []
+    for index in range(module.SIZE):
+        if tier_of(name, core.permute(index, key, module.SIZE)) == tier:
+            found.append(index)
+            if len(found) == count:
+                break
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One entry of a server's `task_families` setting: the first `count` tasks of `family`,
+    of tier `tier` only when it is not 0."""
+
+    family: str
+    count: int
+    tier: int = 0
+
+
+def served_tasks(entry: Served, seed: int) -> list[sandbox_pb2.Task]:
+    """The tasks an entry of the setting names."""
+    if not entry.tier:
+        return generate_many(entry.family, seed, entry.count)
+    return [generate(entry.family, seed, index) for index in tier_indices(entry.family, seed, entry.tier, entry.count)]
+
+
+def parse_served(entries: Sequence[str]) -> list[Served]:
+    """Each entry of a `NAME`, `NAME:COUNT`, `NAME@TIER` or `NAME@TIER:COUNT` list (a server's
+    setting: the first COUNT tasks of the family, of tier TIER only when one is given;
+    DEFAULT_SERVED when no count is given). ValueError naming the entry when a family is
+    unknown, named twice, its tier is not 1, 2 or 3, or its count is not a whole number in
+    1..min(MAX_SERVED, the family's size)."""
+    served: dict[str, Served] = {}
     for entry in entries:
-        name, sep, text = entry.strip().partition(":")
+        head, sep, text = entry.strip().partition(":")
+        name, at, tier_text = head.partition("@")
         module = family(name)
+        tier = 0
+        if at:
+            if tier_text not in ("1", "2", "3"):
+                raise ValueError(f"task family entry {entry!r}: the tier after @ must be 1, 2 or 3")
+            tier = int(tier_text)
         if not sep:
             count = min(DEFAULT_SERVED, module.SIZE)
         elif text.isdigit() and 1 <= int(text) <= min(MAX_SERVED, module.SIZE):
@@ -80,9 +131,9 @@ def parse_served(entries: Sequence[str]) -> list[tuple[str, int]]:
                              f"{min(MAX_SERVED, module.SIZE)}")
         if name in served:
             raise ValueError(f"task family {name!r} is named twice")
-        served[name] = count
-    return list(served.items())
+        served[name] = Served(name, count, tier)
+    return list(served.values())
 
 
-__all__ = ["DEFAULT_SERVED", "FAMILIES", "MAX_SERVED", "family", "generate", "generate_many", "parse_served",
-           "task_from_id"]
+__all__ = ["DEFAULT_SERVED", "FAMILIES", "MAX_SERVED", "Served", "family", "generate", "generate_many",
+           "parse_served", "served_tasks", "task_from_id", "tier_indices", "tier_of"]

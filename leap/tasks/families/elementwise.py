@@ -121,6 +121,12 @@ def structure(number: int) -> Any:
     raise IndexError("structure number out of range")
 
 
+def tier_of(number: int) -> int:
+    """The tier of structure `number` (what `build` gives it), without building it."""
+    count = len(_ops(structure(number)))
+    return 1 if count <= 2 else 2 if count <= 4 else 3
+
+
 def _ops(tree: Any) -> list[str]:
     if tree[0] in ("input", "const"):
         return []
@@ -220,7 +226,6 @@ def build(number: int, rng: random.Random) -> core.Blueprint:
                  f"out[i] = {words(tree)}.")
     unique = sorted(set(ops))
     combos = tuple(core.pair(a, b) for k, a in enumerate(unique) for b in unique[k + 1:])
-    count = len(ops)
     return core.Blueprint(
         pieces={"tree": repr(tree), "ops": ",".join(ops)},
         combos=combos,
@@ -234,5 +239,5 @@ def build(number: int, rng: random.Random) -> core.Blueprint:
         wrong_body=wrong,
         numpy=tuple(np_lines + [f"return {np_out}" if np_lines else f"return {np_out} + 0.0"]),
         torch=tuple(torch_lines + [f"return {torch_out}"]),
-        tier=1 if count <= 2 else 2 if count <= 4 else 3,
+        tier=tier_of(number),
     )
