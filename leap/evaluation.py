@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from leap.common.v1 import common_pb2
 from leap.rollouts import Endpoints, Episode, Outcome, Rollouts, derive_seed
@@ -108,6 +108,19 @@ def standard_error(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
+def paired_change(before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]],
+                  turn: int) -> tuple[float, float]:
+    """The change of pass@1 by `turn` (1-based) between two evaluations of the same tasks (per
+    task, pass@1 by turn) and its standard error over tasks: the mean of the per-task
+    differences d_x = after_x - before_x, and standard_error(d). Pairing removes what the
+    tasks share between the two (how hard each is), so this error is the one to compare a gain
+    against. ValueError when the two do not measure the same tasks."""
+    if set(before) != set(after):
+        raise ValueError("the two evaluations measure different tasks")
+    differences = [after[task][turn - 1] - before[task][turn - 1] for task in sorted(before)]
+    return (sum(differences) / len(differences) if differences else 0.0), standard_error(differences)
+
+
 def by_turn(name: str, values: Sequence[float]) -> dict[str, float]:
     """{"name/turn_1": v1, ...}: the metric names every learner logs."""
     return {f"{name}/turn_{t + 1}": v for t, v in enumerate(values)}
@@ -125,6 +138,10 @@ class EvalReport:
     def pass_rates(self, turn: int = 1) -> dict[str, float]:
         """Per task, the share of its samples solved by `turn`."""
         return {task: pass_at_1_by_turn(self.outcomes[task], turn)[-1] for task in self.task_ids}
+
+    def pass_rates_by_turn(self) -> dict[str, list[float]]:
+        """Per task, the share of its samples solved by each turn."""
+        return {task: pass_at_1_by_turn(self.outcomes[task], self.turns) for task in self.task_ids}
 
     def summary(self) -> dict:
         """What papers report, by turn: pass@1 with its standard error over tasks (the samples
@@ -151,6 +168,8 @@ class EvalReport:
     def metrics(self) -> dict[str, float]:
         samples = [o for task in self.task_ids for o in self.outcomes[task]]
         values = by_turn("pass_at_1", pass_at_1_by_turn(samples, self.turns))
+        per_task = [pass_at_1_by_turn(self.outcomes[task], self.turns) for task in self.task_ids]
+        values |= by_turn("pass_at_1_se", [standard_error([rates[t] for rates in per_task]) for t in range(self.turns)])
         values |= by_turn("pass_at_k", pass_at_k_by_turn([self.outcomes[t] for t in self.task_ids], self.turns))
         values["speedup/mean_correct"] = mean_speedup_of_correct(samples)
         values["samples"] = float(len(samples))

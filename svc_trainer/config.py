@@ -141,6 +141,7 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     check(config.eval_every >= 0, "eval_every", "must not be negative (0 evaluates only before and after)")
     check(config.eval_samples >= 0, "eval_samples", "must be at least 1 (0 means the default, 4)")
     check(config.eval_turns >= 0, "eval_turns", "must be at least 1 (0 means max_turns, or 3 in single-turn mode)")
+    check(config.eval_train_task_count >= 0, "eval_train_task_count", "must be at least 0 (0 means every training task)")
     check(len(set(config.train_tasks)) == len(config.train_tasks), "train_tasks", "lists a task twice")
     check(not set(config.train_tasks) & set(config.eval_tasks), "eval_tasks",
           "shares tasks with train_tasks: held-out tasks must not be trained on")

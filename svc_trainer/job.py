@@ -692,6 +692,18 @@ class TrainingJob:
             await rollouts.next_turns(active, derive_seed(seed, turn))
         return group
 
+    @staticmethod
+    def log_evaluation(ctx: RunContext, step: int, per_task: dict[str, dict[str, list[float]]]) -> None:
+        """`evals/step-NNNNNNNN.json` in the run's directory: each task's pass@1 by turn at the
+        evaluation after `step` ("held_out/" and "train_tasks/" task sets), so two evaluations
+        can be compared task by task (a paired difference has a far smaller error than two
+        means)."""
+        directory = ctx.output_dir / "evals"
+        directory.mkdir(parents=True, exist_ok=True)
+        temp = directory / f".step-{step:08d}.json.tmp"
+        temp.write_text(json.dumps({"step": step, "pass_at_1_by_turn": per_task}, sort_keys=True) + "\n")
+        temp.replace(directory / f"step-{step:08d}.json")
+
     def log_rollouts(self, ctx: RunContext, step: int, groups: Sequence[Group], ranked: reward_pb2.RankResponse) -> None:
         """`rollouts/step-NNNNNNNN.jsonl` in the run's directory: what the model wrote and how it fared."""
         if self.settings.rollout_log == "off":
@@ -760,11 +772,13 @@ class TrainingJob:
         await self.keep_on_policy(ctx, progress.step + 1, session)
         sets = [("", session.held_out, "eval")]
         if c.eval_train_tasks:
-            sets.append(("train_tasks/", session.tasks, "eval-train-tasks"))
+            measured = sorted(session.tasks, key=lambda t: t.id)[:c.eval_train_task_count or None]
+            sets.append(("train_tasks/", measured, "eval-train-tasks"))
         if not any(tasks for _, tasks, _ in sets):
             return
         started = time.perf_counter()
         values: dict[str, float] = {}
+        per_task: dict[str, dict[str, list[float]]] = {}
         for prefix, tasks, purpose in sets:
             if not tasks:
                 continue
@@ -772,6 +786,8 @@ class TrainingJob:
                                     toolchain=c.toolchain, samples=c.eval_samples, turns=c.eval_turns,
                                     sampling=c.sampling, seed=derive_seed(c.seed, purpose), rollouts=session.rollouts)
             values.update({prefix + k: v for k, v in report.metrics().items()})
+            per_task[prefix or "held_out/"] = report.pass_rates_by_turn()
+        self.log_evaluation(ctx, progress.step, per_task)
         values.update({"sandbox/evaluations_total": progress.evaluations, "time/train_total_s": progress.train_seconds,
                        "time/eval_s": time.perf_counter() - started})
         ctx.emit("eval", progress.step, values)

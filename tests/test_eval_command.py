@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from leap.evaluation import (EvalReport, best_speedup_by_turn, fast_p_by_turn, geomean_speedup_of_correct,
-                             standard_error)
+                             paired_change, standard_error)
 from leap.rollouts import Outcome
 from tests.conftest import ROOT, subprocess_env
 
@@ -65,6 +65,27 @@ def test_the_summary_by_turn_with_the_standard_error_over_tasks():
     assert summary["geomean_speedup_of_correct"] == pytest.approx((2.0 * 1.0 * 0.9 * 3.0) ** 0.25)
     assert summary["per_task_pass_at_1"] == {"a": 1.0, "b": 0.0, "c": 1.0}
     assert summary["tasks"] == 3 and summary["samples"] == 6 and summary["sandbox_evaluations"] == 9
+
+
+def test_the_metrics_carry_the_standard_error_and_the_rates_by_turn_per_task():
+    report = EvalReport(task_ids=["a", "b"], turns=2, outcomes={
+        "a": [[WRONG, fast(1.0)], [fast(1.0)]], "b": [[WRONG, WRONG], [WRONG, WRONG]]})
+    assert report.pass_rates_by_turn() == {"a": [0.5, 1.0], "b": [0.0, 0.0]}
+    metrics = report.metrics()
+    assert metrics["pass_at_1_se/turn_1"] == pytest.approx(standard_error([0.5, 0.0]))
+    assert metrics["pass_at_1_se/turn_2"] == pytest.approx(standard_error([1.0, 0.0]))
+
+
+def test_a_paired_change_is_the_mean_per_task_difference_with_its_standard_error():
+    before = {"a": [0.0, 0.5], "b": [0.5, 0.5], "c": [1.0, 1.0]}
+    after = {"a": [0.5, 0.5], "b": [1.0, 1.0], "c": [1.0, 1.0]}
+    change, error = paired_change(before, after, 1)  # differences 0.5, 0.5, 0
+    assert change == pytest.approx(1 / 3) and error == pytest.approx(standard_error([0.5, 0.5, 0.0]))
+    assert paired_change(before, after, 2) == (pytest.approx(0.5 / 3), pytest.approx(standard_error([0.0, 0.5, 0.0])))
+    # A gain every task shares has no error at all, however hard the tasks are apart.
+    assert paired_change({"a": [0.0], "b": [0.5]}, {"a": [0.25], "b": [0.75]}, 1) == (pytest.approx(0.25), 0.0)
+    with pytest.raises(ValueError, match="different tasks"):
+        paired_change(before, {"a": [1.0]}, 1)
 
 
 def leap(*args: str, timeout: float = 1000) -> subprocess.CompletedProcess:

@@ -60,6 +60,7 @@ def test_a_missing_model_directory_is_refused(trainer, tmp_path):
     (dict(loss={"clip_low": 1.5}), "config.loss.clip_low", "[0, 1)"),
     (dict(mode=trainer_pb2.TRAIN_MODE_SINGLE, max_turns=3), "config.max_turns", "single-turn"),
     (dict(train_tasks=["relu"], eval_tasks=["relu"]), "config.eval_tasks", "held-out"),
+    (dict(eval_train_task_count=-1), "config.eval_train_task_count", "at least 0"),
     (dict(flagged_verdicts=7), "config.flagged_verdicts", "unknown value 7"),
     (dict(report_to=["tensorboard"]), "config.report_to[0]", "must be one of mlflow, wandb, trackio"),
     (dict(report_to=["mlflow", "mlflow"]), "config.report_to[1]", "twice"),

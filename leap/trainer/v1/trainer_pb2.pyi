@@ -265,6 +265,7 @@ class RunConfig(_message.Message):
     LORA_FIELD_NUMBER: _builtins.int
     REPORT_TO_FIELD_NUMBER: _builtins.int
     FLAGGED_VERDICTS_FIELD_NUMBER: _builtins.int
+    EVAL_TRAIN_TASK_COUNT_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Local Hugging Face model directory of the initial policy. Required."""
     policy_model: _builtins.str
@@ -322,6 +323,10 @@ class RunConfig(_message.Message):
     way such verdicts are counted per step (metrics sandbox/flagged_suspicious and
     sandbox/flagged_unreliable) and their rollouts kept, flags included, in the rollout log.
     Default: FLAGGED_VERDICTS_NO_SPEED_CREDIT.
+    """
+    eval_train_task_count: _builtins.int
+    """With eval_train_tasks: measure at most this many training tasks (the first by id) at each
+    evaluation, so a large training set costs a fixed sample of it. 0 (the default): all.
     """
     @_builtins.property
     def services(self) -> Global___ServiceAddresses:
@@ -409,10 +414,11 @@ class RunConfig(_message.Message):
         lora: _common_pb2.LoraConfig | None = ...,
         report_to: _abc.Iterable[_builtins.str] | None = ...,
         flagged_verdicts: Global___FlaggedVerdicts.ValueType = ...,
+        eval_train_task_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "gate", b"gate", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_task_count", b"eval_train_task_count", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__importance_cap: _TypeAlias = _typing.Literal["importance_cap"]  # noqa: Y015
     _WhichOneofArgType__importance_cap: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap"]  # noqa: Y015
