@@ -1,16 +1,19 @@
 """`leap demo`: the whole system on this machine, in a few minutes. It builds the tiny model
 (cached), starts every service on free loopback ports, runs a LEAP training with a progress
 bar, and prints what changed between the evaluations before the first step and after the
-last: pass@1 by turn on fresh samples of the training tasks and on the held-out tasks,
-speedups, sandbox evaluations spent and saved by DCP, and where the metrics, plots and
-samples were written.
+last: pass@1 by turn (with its standard error over tasks) on held-out tasks the model never
+saw, and on fresh samples of some training tasks, speedups, sandbox evaluations spent and
+saved by DCP, and where the metrics, plots and samples were written.
 
-With a GPU (and nvcc) the model is warm-started on the suite's CUDA examples and trained on
-the cuda toolchain; without one, C++ on the cpu toolchain."""
+The tasks are the generated elementwise family's easiest tier (one or two ops over up to two
+inputs; `leap.tasks.families`): the model is warm-started on its training split, LEAP trains
+on that split, and the held-out split combines op pairs neither ever saw together. With a
+GPU (and nvcc) the toolchain is cuda; without one, C++ on the cpu toolchain."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -62,6 +65,18 @@ def check_args(args) -> None:
             raise UserError(f"--model: {problem}")
 
 
+FAMILY, TIER, FAMILY_SEED = "elementwise", 1, 0  # the demo's tasks: this family's tier, of this seed
+FAMILY_TASKS = 980  # the first 980 (by index) of its 1,016 tier-1 structures
+TRAIN_TASKS_MEASURED = 48  # training tasks measured on fresh samples at each evaluation (the first by id)
+
+
+def demo_tasks() -> list:
+    """The demo's tasks (FULL view, the sandbox serves the same ones): FAMILY's tier TIER."""
+    from leap.tasks import families
+
+    return families.served_tasks(families.Served(FAMILY, FAMILY_TASKS, TIER), FAMILY_SEED)
+
+
 def run(args, _extra) -> int:
     from leap.cli import UserError
     from leap.experiments.runs import RunFailed
@@ -71,15 +86,17 @@ def run(args, _extra) -> int:
     args.trackers = trackers(args.report_to)
     out = Path(args.out)
     toolchain = demo_toolchain()
-    model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, args.quiet)
-    stack = experiment_stack(out / "stack", model)
+    tasks = demo_tasks()
+    model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, tasks, args.quiet)
+    stack = experiment_stack(out / "stack", model, extra_env={
+        "LEAP_SANDBOX_TASK_FAMILIES": f"{FAMILY}@{TIER}:{FAMILY_TASKS}", "LEAP_SANDBOX_TASK_FAMILY_SEED": str(FAMILY_SEED)})
     say(f"starting the services (logs in {out / 'stack' / 'logs'}) ...")
     try:
         stack.start()
     except (RuntimeError, TimeoutError) as err:
         raise UserError(str(err)) from None
     try:
-        report = train_and_measure(args, stack.addresses, model, toolchain)
+        report = train_and_measure(args, stack.addresses, model, toolchain, tasks)
     except RunFailed as err:
         raise UserError(str(err)) from None
     finally:
@@ -120,17 +137,22 @@ def demo_toolchain() -> int:
     return common_pb2.Toolchain.TOOLCHAIN_CPU
 
 
-def bootstrap(directory: Path, toolchain: int, quiet: bool) -> Path:
+def bootstrap(directory: Path, toolchain: int, tasks: list, quiet: bool) -> Path:
+    """The tiny model warm-started on the training split of `tasks`."""
     from leap.bootstrap import BootstrapConfig, bootstrap_model
     from leap.union import toolchain_name
 
     say(f"building the tiny model into {directory} (cached after the first time) ...")
-    return bootstrap_model(directory, config=BootstrapConfig(toolchains=(toolchain_name(toolchain),)), progress=not quiet)
+    return bootstrap_model(directory, tasks=tasks, config=BootstrapConfig(toolchains=(toolchain_name(toolchain),)),
+                           progress=not quiet)
 
 
-def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int) -> dict:
-    """The LEAP run, measured by the trainer itself before the first step, every eval_every
-    steps and after the last: held-out tasks, and fresh samples of the training tasks."""
+def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int, tasks: list) -> dict:
+    """The LEAP run on the training split of `tasks`, measured by the trainer itself before
+    the first step, every eval_every steps and after the last: the held-out split, and the first
+    TRAIN_TASKS_MEASURED training tasks on fresh samples."""
+    train_ids = sorted(t.id for t in tasks if t.split == "train")
+    held_out_ids = sorted(t.id for t in tasks if t.split == "heldout")
     from leap.clients import connect
     from leap.common.v1 import common_pb2
     from leap.experiments.runs import TRAIN_TASKS, run_to_end
@@ -141,6 +163,8 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
         model_path=str(model.resolve()), steps=args.steps, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, max_turns=args.max_turns, toolchain=toolchain, seed=args.seed,
         eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=True,
+        eval_train_task_count=TRAIN_TASKS_MEASURED,
+        train_tasks=train_ids, eval_tasks=held_out_ids,
         checkpoint_every=max(1, args.steps // 2), display_name="leap demo", report_to=getattr(args, "trackers", []),
         optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate))
     trainer = connect("trainer", addresses["trainer"], aio=False)
@@ -155,31 +179,53 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
     return {
         "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": time.perf_counter() - started,
         "steps": args.steps, "turns": args.max_turns, "model": str(model),
+        "task_counts": {"held_out": len(held_out_ids), "train_tasks": min(len(train_ids), TRAIN_TASKS_MEASURED),
+                        "trained_on": len(train_ids)},
         **{key: {"before": evals[0], "after": evals[-1]} if evals else {"before": {}, "after": {}}
            for key, evals in measured.items()},
         "sandbox_evaluations": sum(v.get("sandbox/evaluations", 0.0) for v in train_events),
         "sandbox_evaluations_saved": sum(v.get("sandbox/evaluations_saved", 0.0) for v in train_events),
         "expanded_share": sum(v.get("expanded_share", 0.0) for v in train_events) / max(1, len(train_events)),
+        "changes": paired_changes(Path(finished.run.output_dir), args.max_turns),
         "trackers": where_reported(finished.run.output_dir),
     }
 
 
+def paired_changes(run_dir: Path, turns: int) -> dict[str, list[list[float]]]:
+    """Per task set ("held_out", "train_tasks"), the change of pass@1 by each turn between the
+    run's first and last evaluations, [change, standard error], from the per-task records the
+    trainer writes (evals/): paired over tasks, so the error leaves out how hard each task is."""
+    from leap.evaluation import paired_change
+
+    records = sorted((run_dir / "evals").glob("step-*.json"))
+    if len(records) < 2:
+        return {}
+    first, last = (json.loads(path.read_text())["pass_at_1_by_turn"] for path in (records[0], records[-1]))
+    return {prefix.rstrip("/"): [list(paired_change(first[prefix], last[prefix], t)) for t in range(1, turns + 1)]
+            for prefix in first if prefix in last}
+
+
 def format_report(report: dict) -> str:
     turns = report["turns"]
-    lines = [f"LEAP demo: {report['steps']} steps in {report['seconds'] / 60:.1f} min (run {report['run_id']})", "",
-             f"{'':34}{'before':>8}{'after':>8}{'change':>9}"]
-    for label, key in (("training tasks, fresh samples", "train_tasks"), ("held-out tasks", "held_out")):
+    lines = [f"LEAP demo: {report['steps']} steps in {report['seconds'] / 60:.1f} min (run {report['run_id']})",
+             "pass@1 ± its standard error over tasks; the change ± the standard error of the per-task changes",
+             "", f"{'':34}{'before':>15}{'after':>15}{'change':>16}"]
+    for label, key in (("held-out tasks (never trained on)", "held_out"),
+                       ("training tasks, fresh samples", "train_tasks")):
         before, after = report[key]["before"], report[key]["after"]
         if not before:
             continue
-        lines.append(label)
+        lines.append(f"{label}: {report.get('task_counts', {}).get(key, '?')} tasks")
         for t in range(1, turns + 1):
-            name = f"pass_at_1/turn_{t}"
-            lines.append(f"  pass@1 by turn {t:<17}{before[name]:>8.3f}{after[name]:>8.3f}{after[name] - before[name]:>+9.3f}")
+            name, se = f"pass_at_1/turn_{t}", f"pass_at_1_se/turn_{t}"
+            change, error = report.get("changes", {}).get(key, [[after[name] - before[name], math.nan]] * turns)[t - 1]
+            lines.append(f"  pass@1 by turn {t:<17}{before[name]:>8.3f} ± {before.get(se, 0.0):.3f}"
+                         f"{after[name]:>8.3f} ± {after.get(se, 0.0):.3f}{change:>+9.3f} ± {error:.3f}")
         name = f"pass_at_k/turn_{turns}"
-        lines.append(f"  pass@k by turn {turns:<17}{before[name]:>8.3f}{after[name]:>8.3f}{after[name] - before[name]:>+9.3f}")
+        lines.append(f"  pass@k by turn {turns:<17}{before[name]:>8.3f}{'':7}{after[name]:>8.3f}{'':7}"
+                     f"{after[name] - before[name]:>+9.3f}")
         s0, s1 = before["speedup/mean_correct"], after["speedup/mean_correct"]
-        lines.append(f"  mean speedup of correct answers {s0:>7.2f}x{s1:>7.2f}x")
+        lines.append(f"  mean speedup of correct answers {s0:>7.2f}x{'':7}{s1:>7.2f}x")
     lines += ["", f"sandbox evaluations spent by training: {report['sandbox_evaluations']:,.0f} "
                   f"(DCP saved up to {report['sandbox_evaluations_saved']:,.0f} against expanding every failing group)",
               f"groups expanded to debugging turns: {report['expanded_share']:.0%} on average",
