@@ -108,6 +108,11 @@ def standard_error(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
+def standard_errors_by_turn(per_task: Sequence[Sequence[float]], turns: int) -> list[float]:
+    """pass@1's standard error over tasks by each turn, from each task's pass@1 by turn."""
+    return [standard_error([rates[t] for rates in per_task]) for t in range(turns)]
+
+
 def paired_change(before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]],
                   turn: int) -> tuple[float, float]:
     """The change of pass@1 by `turn` (1-based) between two evaluations of the same tasks (per
@@ -147,9 +152,8 @@ class EvalReport:
         """What papers report, by turn: pass@1 with its standard error over tasks (the samples
         of one task are not independent, the tasks are), pass@k, fast_p for p in FAST_P, and
         the geometric-mean speedup of correct answers."""
-        turns = range(self.turns)
         samples = [o for task in self.task_ids for o in self.outcomes[task]]
-        per_task = [pass_at_1_by_turn(self.outcomes[task], self.turns) for task in self.task_ids]
+        per_task = list(self.pass_rates_by_turn().values())
         pass_k = pass_at_k_by_turn([self.outcomes[t] for t in self.task_ids], self.turns)
         pass_1 = pass_at_1_by_turn(samples, self.turns)
         return {
@@ -158,7 +162,7 @@ class EvalReport:
             "turns": self.turns,
             "sandbox_evaluations": self.evaluations,
             "pass_at_1": pass_1,
-            "pass_at_1_se": [standard_error([rates[t] for rates in per_task]) for t in turns],
+            "pass_at_1_se": standard_errors_by_turn(per_task, self.turns),
             "pass_at_k": pass_k,
             "fast_p": {f"{p:g}": fast_p_by_turn(samples, p, self.turns) for p in FAST_P},
             "geomean_speedup_of_correct": geomean_speedup_of_correct(samples),
@@ -168,8 +172,7 @@ class EvalReport:
     def metrics(self) -> dict[str, float]:
         samples = [o for task in self.task_ids for o in self.outcomes[task]]
         values = by_turn("pass_at_1", pass_at_1_by_turn(samples, self.turns))
-        per_task = [pass_at_1_by_turn(self.outcomes[task], self.turns) for task in self.task_ids]
-        values |= by_turn("pass_at_1_se", [standard_error([rates[t] for rates in per_task]) for t in range(self.turns)])
+        values |= by_turn("pass_at_1_se", standard_errors_by_turn(list(self.pass_rates_by_turn().values()), self.turns))
         values |= by_turn("pass_at_k", pass_at_k_by_turn([self.outcomes[t] for t in self.task_ids], self.turns))
         values["speedup/mean_correct"] = mean_speedup_of_correct(samples)
         values["samples"] = float(len(samples))

@@ -5,7 +5,7 @@ last: pass@1 by turn (with its standard error over tasks) on held-out tasks the 
 saw, and on fresh samples of some training tasks, speedups, sandbox evaluations spent and
 saved by DCP, and where the metrics, plots and samples were written.
 
-The tasks are the generated elementwise family's easiest tier (one or two ops over up to two
+The tasks are the generated elementwise family's easiest tier (one or two ops over up to three
 inputs; `leap.tasks.families`): the model is warm-started on its training split, LEAP trains
 on that split, and the held-out split combines op pairs neither ever saw together. With a
 GPU (and nvcc) the toolchain is cuda; without one, C++ on the cpu toolchain."""
@@ -218,7 +218,8 @@ def format_report(report: dict) -> str:
         lines.append(f"{label}: {report.get('task_counts', {}).get(key, '?')} tasks")
         for t in range(1, turns + 1):
             name, se = f"pass_at_1/turn_{t}", f"pass_at_1_se/turn_{t}"
-            change, error = report.get("changes", {}).get(key, [[after[name] - before[name], math.nan]] * turns)[t - 1]
+            changes = report.get("changes", {}).get(key)
+            change, error = changes[t - 1] if changes else (after[name] - before[name], math.nan)
             lines.append(f"  pass@1 by turn {t:<17}{before[name]:>8.3f} ± {before.get(se, 0.0):.3f}"
                          f"{after[name]:>8.3f} ± {after.get(se, 0.0):.3f}{change:>+9.3f} ± {error:.3f}")
         name = f"pass_at_k/turn_{turns}"
@@ -231,7 +232,7 @@ def format_report(report: dict) -> str:
               f"groups expanded to debugging turns: {report['expanded_share']:.0%} on average",
               "", f"written to {report['output_dir']}:",
               "  metrics.png (curves), events.jsonl and tensorboard/ (every metric), rollouts/ (every answer and "
-              "verdict), checkpoints/"]
+              "verdict), evals/ (each evaluation task by task), checkpoints/"]
     lines += [f"  reported to {where}" for where in report.get("trackers", [])]
     return "\n".join(lines)
 
