@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import BOOTSTRAP_CACHE, ROOT, subprocess_env
 
 # Whole stacks in subprocesses: minutes on 2 cores, more on a busy machine. The subprocess
 # limit stays under the test's, so a hang fails with the command's output, not a bare timeout.
@@ -23,9 +23,9 @@ SMALL = ["--steps", "1", "--tasks-per-step", "2", "--group-size", "2", "--max-tu
          "--quiet"]
 
 
-def leap(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "leap", *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def leap(*args: str, timeout: float = 1500, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "leap", *args], cwd=ROOT, env=subprocess_env(**(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -36,6 +36,9 @@ def leap(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
     (["dcp-experiment", "--modes", "leap,fast"], "--modes: choose from leap, multiturn, single"),
     (["expand-compress", "--ablations", "crd,magic"], "--ablations: choose from crd, consensus"),
     (["expand-compress", "--rounds", "0"], "--rounds must be at least 1"),
+    (["demo", "--task-families", "elementwise@4"], "--task-families: task family entry 'elementwise@4': the tier"),
+    (["dcp-experiment", "--task-families", "softmaxes"], "--task-families: unknown task family 'softmaxes'"),
+    (["expand-compress", "--task-families", "elementwise@1:5"], "gives no training task or no held-out one"),
 ])
 def test_a_mistyped_option_is_one_friendly_line(args, words):
     done = leap(*args, timeout=60)
@@ -91,9 +94,11 @@ def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path, 
 @pytest.mark.slow
 def test_the_dcp_experiment_compares_modes_in_a_table_and_a_plot(tiny_model_dir, tmp_path):
     # One mode keeps this to one stack; every mode runs the same code (train_mode) with its config.
-    # Two seeds: each gets its own runs, table and plot, and the top report spreads them.
-    done = leap("dcp-experiment", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--modes", "single",
-                "--seeds", "2", "--seed", "5", *SMALL)
+    # Two seeds: each gets its own runs, table and plot, and the top report spreads them. On the
+    # built-in suite and without --model: the command bootstraps its model for those tasks, which
+    # the cache the tests built holds (same tasks, same config), so this copies it.
+    done = leap("dcp-experiment", "--task-families", "none", "--out", str(tmp_path), "--modes", "single",
+                "--seeds", "2", "--seed", "5", *SMALL, env={"LEAP_CACHE_DIR": str(BOOTSTRAP_CACHE.parent)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for seed in (5, 6):
         summary = json.loads((tmp_path / f"seed-{seed}" / "report.json").read_text())
@@ -101,6 +106,7 @@ def test_the_dcp_experiment_compares_modes_in_a_table_and_a_plot(tiny_model_dir,
         assert summary["single"]["expanded_share"] == 0.0 and summary["single"]["evaluations"] > 0
         assert (tmp_path / f"seed-{seed}" / "dcp.png").is_file()
         assert f"seed {seed}" in (tmp_path / f"seed-{seed}" / "report.md").read_text()
+    assert (tmp_path / "model" / "config.json").is_file()
     over = json.loads((tmp_path / "report.json").read_text())
     assert over["seeds"] == [5, 6] and over["runs"]["single"]["evaluations"]["n"] == 2
     assert "| single |" in (tmp_path / "report.md").read_text() and "over 2 seeds" in done.stdout
@@ -110,11 +116,16 @@ def test_the_dcp_experiment_compares_modes_in_a_table_and_a_plot(tiny_model_dir,
 def test_expand_compress_trains_teachers_distils_a_student_and_measures_all(tiny_model_dir, tmp_path):
     done = leap("expand-compress", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--rounds", "1",
                 "--steps-per-round", "1", "--distill-steps", "1", "--ablations", "crd", "--tasks-per-step", "2",
-                "--group-size", "2", "--max-turns", "2", "--eval-samples", "2", "--seeds", "2", "--quiet")
+                "--group-size", "2", "--max-turns", "2", "--eval-samples", "2", "--seeds", "2", "--train-tasks", "3",
+                "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for seed in (0, 1):
         results = json.loads((tmp_path / f"seed-{seed}" / "report.json").read_text())
         assert results["teachers"] == ["teacher-1"] and results["students"] == {"crd": "student-crd"}
+        # the default tasks are the demo's: the first 3 elementwise tier-1 training tasks and its 39 held-out ones
+        train, held_out = (results["sets"][split]["per_task"]["initial"] for split in ("train", "heldout"))
+        assert len(train) == 3 and len(held_out) == 39
+        assert all(task.startswith("fam.elementwise.") for task in [*train, *held_out])
         for split in ("train", "heldout"):
             assert set(results["sets"][split]["pass_at_1"]) == {"initial", "teacher-1", "student-crd"}
         assert (tmp_path / f"seed-{seed}" / "expand_compress.png").is_file()

@@ -10,6 +10,11 @@ the two modes' final ones). Every mode runs once per seed (`--seeds`, default 3)
 than one, the top report gives each figure's mean and standard error over the seeds and says,
 claim by claim, on how many seeds the paper's claims held.
 
+The tasks are `leap demo`'s (`--task-families`, default the elementwise family's tier 1): the
+model is warm-started on the training split, every mode trains on it and is measured on the
+first 48 training tasks (fresh samples) and on the held-out split; `--task-families none`
+runs on the built-in suite instead.
+
 The seed paper reports LEAP reaching the same accuracy 1.93x faster than unpruned
 multi-turn while expanding 43.9% of groups; this command reports what this machine gives."""
 
@@ -49,7 +54,7 @@ def run(args, _extra) -> int:
         raise UserError("--seeds must be at least 1")
     out = Path(args.out)
     toolchain = demo_toolchain()
-    model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, args.quiet)
+    model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, args.tasks, args.quiet)
     seeds = [args.seed + number for number in range(args.seeds)]
     per_seed = []
     for seed in seeds:
@@ -76,19 +81,22 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
     from google.protobuf import json_format
 
     from leap.clients import connect
+    from leap.commands.demo import TRAIN_TASKS_MEASURED, families_env, split_ids
     from leap.common.v1 import common_pb2
     from leap.experiments.runs import run_to_end
     from leap.experiments.stack import experiment_stack
     from leap.trainer.v1 import trainer_pb2
 
+    train_ids, held_out_ids = split_ids(args.tasks)
     config = trainer_pb2.RunConfig(
         model_path=str(model.resolve()), steps=args.steps, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, mode=trainer_pb2.TrainMode.Value(MODES[mode]),
         max_turns=1 if mode == "single" else args.max_turns, eval_turns=args.max_turns, toolchain=toolchain,
         seed=seed, eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=True,
+        eval_train_task_count=TRAIN_TASKS_MEASURED, train_tasks=train_ids, eval_tasks=held_out_ids,
         display_name=f"dcp {mode}",
         checkpoint_every=args.steps, optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate))
-    with experiment_stack(work, model) as stack:
+    with experiment_stack(work, model, extra_env=families_env(args.task_families)) as stack:
         trainer = connect("trainer", stack.addresses["trainer"], aio=False)
         try:
             finished = run_to_end(trainer, trainer_pb2, config, mode, progress=not args.quiet,

@@ -45,7 +45,16 @@ def add_training_options(parser, *, eval_every: int) -> None:
     parser.add_argument("--eval-every", type=int, default=eval_every,
                         help=f"evaluation every N steps (default {eval_every}; always before the first and after the last)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
+    add_task_families_option(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_task_families_option(parser) -> None:
+    parser.add_argument("--task-families", default=DEMO_FAMILIES, metavar="LIST",
+                        help="the generated tasks to warm-start on, train on and measure, as the sandbox's "
+                             "task_families setting: NAME[@TIER][:COUNT], comma-separated, of seed "
+                             f"{FAMILY_SEED}; 'none' for the built-in suite (default {DEMO_FAMILIES}: the "
+                             "elementwise family's tier 1)")
 
 
 def check_args(args) -> None:
@@ -58,6 +67,7 @@ def check_args(args) -> None:
         raise UserError("--group-size must be at least 2: rank rewards compare rollouts within a group")
     if args.learning_rate <= 0:
         raise UserError("--learning-rate must be above 0")
+    args.tasks = experiment_tasks(args.task_families)
     if args.model:
         from leap.learning import check_model_dir
 
@@ -65,16 +75,43 @@ def check_args(args) -> None:
             raise UserError(f"--model: {problem}")
 
 
-FAMILY, TIER, FAMILY_SEED = "elementwise", 1, 0  # the demo's tasks: this family's tier, of this seed
-FAMILY_TASKS = 980  # the first 980 (by index) of its 1,016 tier-1 structures
+DEMO_FAMILIES = "elementwise@1:980"  # the first 980 (by index) of the elementwise family's 1,016 tier-1 structures
+FAMILY_SEED = 0  # the seed of the generated tasks
 TRAIN_TASKS_MEASURED = 48  # training tasks measured on fresh samples at each evaluation (the first by id)
 
 
-def demo_tasks() -> list:
-    """The demo's tasks (FULL view, the sandbox serves the same ones): FAMILY's tier TIER."""
+def experiment_tasks(task_families: str) -> list | None:
+    """The tasks a `--task-families` value names (FULL view; the sandbox serves the same ones),
+    None for 'none' (the built-in suite). UserError naming the option for a bad value."""
+    from leap.cli import UserError
     from leap.tasks import families
 
-    return families.served_tasks(families.Served(FAMILY, FAMILY_TASKS, TIER), FAMILY_SEED)
+    if task_families.strip() == "none":
+        return None
+    try:
+        entries = families.parse_served([e for e in task_families.split(",") if e.strip()])
+    except (KeyError, ValueError) as err:
+        raise UserError(f"--task-families: {err.args[0] if err.args else err}") from None
+    tasks = [task for entry in entries for task in families.served_tasks(entry, FAMILY_SEED)]
+    if not any(t.split == "train" for t in tasks) or not any(t.split == "heldout" for t in tasks):
+        raise UserError(f"--task-families: {task_families!r} gives no training task or no held-out one; "
+                        "serve more of the family (a larger COUNT)")
+    return tasks
+
+
+def families_env(task_families: str) -> dict[str, str]:
+    """The sandbox settings that serve a `--task-families` value."""
+    if task_families.strip() == "none":
+        return {}
+    return {"LEAP_SANDBOX_TASK_FAMILIES": task_families, "LEAP_SANDBOX_TASK_FAMILY_SEED": str(FAMILY_SEED)}
+
+
+def split_ids(tasks: list | None) -> tuple[list[str], list[str]]:
+    """The training and held-out ids of experiment_tasks' result, sorted; empty for the built-in
+    suite (a run's default: every training task and every held-out one the sandbox serves)."""
+    if tasks is None:
+        return [], []
+    return (sorted(t.id for t in tasks if t.split == "train"), sorted(t.id for t in tasks if t.split == "heldout"))
 
 
 def run(args, _extra) -> int:
@@ -86,10 +123,9 @@ def run(args, _extra) -> int:
     args.trackers = trackers(args.report_to)
     out = Path(args.out)
     toolchain = demo_toolchain()
-    tasks = demo_tasks()
+    tasks = args.tasks
     model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, tasks, args.quiet)
-    stack = experiment_stack(out / "stack", model, extra_env={
-        "LEAP_SANDBOX_TASK_FAMILIES": f"{FAMILY}@{TIER}:{FAMILY_TASKS}", "LEAP_SANDBOX_TASK_FAMILY_SEED": str(FAMILY_SEED)})
+    stack = experiment_stack(out / "stack", model, extra_env=families_env(args.task_families))
     say(f"starting the services (logs in {out / 'stack' / 'logs'}) ...")
     try:
         stack.start()
@@ -137,8 +173,8 @@ def demo_toolchain() -> int:
     return common_pb2.Toolchain.TOOLCHAIN_CPU
 
 
-def bootstrap(directory: Path, toolchain: int, tasks: list, quiet: bool) -> Path:
-    """The tiny model warm-started on the training split of `tasks`."""
+def bootstrap(directory: Path, toolchain: int, tasks: list | None, quiet: bool) -> Path:
+    """The tiny model warm-started on the training split of `tasks` (None: the built-in suite)."""
     from leap.bootstrap import BootstrapConfig, bootstrap_model
     from leap.union import toolchain_name
 
@@ -147,12 +183,11 @@ def bootstrap(directory: Path, toolchain: int, tasks: list, quiet: bool) -> Path
                            progress=not quiet)
 
 
-def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int, tasks: list) -> dict:
-    """The LEAP run on the training split of `tasks`, measured by the trainer itself before
-    the first step, every eval_every steps and after the last: the held-out split, and the first
-    TRAIN_TASKS_MEASURED training tasks on fresh samples."""
-    train_ids = sorted(t.id for t in tasks if t.split == "train")
-    held_out_ids = sorted(t.id for t in tasks if t.split == "heldout")
+def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int, tasks: list | None) -> dict:
+    """The LEAP run on the training split of `tasks` (None: the built-in suite's), measured by
+    the trainer itself before the first step, every eval_every steps and after the last: the
+    held-out split, and the first TRAIN_TASKS_MEASURED training tasks on fresh samples."""
+    train_ids, held_out_ids = split_ids(tasks)
     from leap.clients import connect
     from leap.common.v1 import common_pb2
     from leap.experiments.runs import TRAIN_TASKS, run_to_end
@@ -176,11 +211,17 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
         trainer.channel.close()
     train_events = [dict(e.values) for e in finished.of_kind("train")]
     measured = {key: finished.evaluations(prefix) for key, prefix in (("held_out", ""), ("train_tasks", TRAIN_TASKS))}
+
+    def count(ids: list[str], key: str) -> int:  # the built-in suite's sets are the sandbox's: count what was measured
+        evals = measured[key]
+        return len(ids) if ids else round(evals[-1].get("samples", 0.0) / args.eval_samples) if evals else 0
+
     return {
         "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": time.perf_counter() - started,
         "steps": args.steps, "turns": args.max_turns, "model": str(model),
-        "task_counts": {"held_out": len(held_out_ids), "train_tasks": min(len(train_ids), TRAIN_TASKS_MEASURED),
-                        "trained_on": len(train_ids)},
+        "task_counts": {"held_out": count(held_out_ids, "held_out"),
+                        "train_tasks": min(len(train_ids), TRAIN_TASKS_MEASURED) if train_ids else count([], "train_tasks"),
+                        "trained_on": len(train_ids) or None},
         **{key: {"before": evals[0], "after": evals[-1]} if evals else {"before": {}, "after": {}}
            for key, evals in measured.items()},
         "sandbox_evaluations": sum(v.get("sandbox/evaluations", 0.0) for v in train_events),

@@ -6,6 +6,11 @@ weighting, single best teacher). Every model — the initial one, each teacher, 
 — is then measured by one evaluator with one seed on fresh samples of the training tasks and
 on the held-out tasks, and the command writes a table and a plot.
 
+The tasks are `leap demo`'s (`--task-families`, default the elementwise family's tier 1): RGRPO
+trains on, the union covers and the measurement samples the first `--train-tasks` training
+tasks (default 64; each teacher's quality row measures every one of them), and every model is
+measured on the held-out split too; `--task-families none` runs on the built-in suite.
+
 The seed paper reports the student beating its strongest teacher by 2.0%, 8.3% and 6.9%
 (relative) on math, code and instruction following; this command reports what this machine
 gives, whichever way it goes. The whole experiment runs once per seed (`--seeds`, default 3,
@@ -28,6 +33,8 @@ ABLATIONS = {
 
 
 def add_parser(subparsers) -> None:
+    from leap.commands.demo import add_task_families_option
+
     parser = subparsers.add_parser("expand-compress", help="RGRPO teachers, then TU-OPD students, measured",
                                    description=__doc__)
     parser.add_argument("--out", default="runs/expand-compress", help="output directory (default runs/expand-compress)")
@@ -43,7 +50,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate of both stages (default 5e-4)")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per task for q and for the final "
                                                                    "measurement (default 8)")
+    parser.add_argument("--train-tasks", type=int, default=64, help="training tasks (the first by id) RGRPO trains "
+                                                                   "on, the union covers and the measurement samples "
+                                                                   "(default 64; the built-in suite: all of them)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
+    add_task_families_option(parser)
     parser.add_argument("--seeds", type=int, default=3, help="seeds to repeat the whole experiment with: --seed, "
                                                              "--seed + 1, ... (default 3); the report gives each "
                                                              "pass@1's mean and standard error over them")
@@ -53,10 +64,15 @@ def add_parser(subparsers) -> None:
 
 def check_args(args) -> list[str]:
     from leap.cli import UserError
+    from leap.commands.demo import experiment_tasks, split_ids
 
-    for name in ("rounds", "steps_per_round", "distill_steps", "tasks_per_step", "max_turns", "eval_samples", "seeds"):
+    for name in ("rounds", "steps_per_round", "distill_steps", "tasks_per_step", "max_turns", "eval_samples", "seeds",
+                 "train_tasks"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    args.tasks = experiment_tasks(args.task_families)
+    train_ids, args.held_out_ids = split_ids(args.tasks)
+    args.train_ids = train_ids[:args.train_tasks]
     if args.group_size < 2:
         raise UserError("--group-size must be at least 2: rank rewards compare rollouts within a group")
     ablations = [a.strip() for a in args.ablations.split(",") if a.strip()]
@@ -67,7 +83,7 @@ def check_args(args) -> list[str]:
 
 def run(args, _extra) -> int:
     from leap.cli import UserError
-    from leap.commands.demo import bootstrap, demo_toolchain, say
+    from leap.commands.demo import bootstrap, demo_toolchain, families_env, say
     from leap.experiments.compare import seed_dir
     from leap.experiments.runs import RunFailed
     from leap.experiments.stack import experiment_stack
@@ -75,14 +91,14 @@ def run(args, _extra) -> int:
     ablations = check_args(args)
     out = Path(args.out)
     toolchain = demo_toolchain()
-    model = Path(args.model).resolve() if args.model else bootstrap(out / "model", toolchain, args.quiet).resolve()
+    model = (Path(args.model) if args.model else bootstrap(out / "model", toolchain, args.tasks, args.quiet)).resolve()
     seeds = [args.seed + number for number in range(args.seeds)]
     per_seed = []
     for seed in seeds:
         work, this = seed_dir(out, seed, len(seeds)), argparse.Namespace(**{**vars(args), "seed": seed})
         say(f"\n== seed {seed}: starting the services (logs in {work / 'stack' / 'logs'}) ...")
         try:
-            with experiment_stack(work / "stack", model) as stack:
+            with experiment_stack(work / "stack", model, extra_env=families_env(args.task_families)) as stack:
                 union = train_teachers(this, stack.addresses, model, toolchain)
                 students = {name: distil(this, stack.addresses, model, toolchain, union, name) for name in ablations}
                 results = measure_all(this, stack.addresses, model, toolchain, union, students)
@@ -106,6 +122,7 @@ def train_teachers(args, addresses: dict[str, str], model: Path, toolchain: int)
     config = trainer_pb2.RunConfig(
         model_path=str(model), steps=args.steps_per_round, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, max_turns=args.max_turns, toolchain=toolchain, seed=args.seed,
+        train_tasks=args.train_ids, eval_tasks=args.held_out_ids,
         eval_samples=args.eval_samples, checkpoint_every=args.steps_per_round, display_name="expand: RGRPO",
         optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
         rgrpo=trainer_pb2.RgrpoConfig(rounds=args.rounds, steps_per_round=args.steps_per_round,
@@ -156,7 +173,7 @@ def measure_all(args, addresses: dict[str, str], model: Path, toolchain: int, un
     rates give the union's best-of-teachers pass@1 and coverage on each set."""
     from leap.clients import connect
     from leap.commands.demo import say
-    from leap.experiments.measure import list_tasks, measure
+    from leap.experiments.measure import get_tasks, list_tasks, measure
     from leap.policy.v1 import policy_pb2
     from leap.rollouts import derive_seed
 
@@ -170,7 +187,8 @@ def measure_all(args, addresses: dict[str, str], model: Path, toolchain: int, un
     results: dict = {"teachers": [t.name for t in union.teachers], "students": students, "tau": union.tau,
                      "train_coverage_by_round": list(union.coverage_by_round), "union_path": union.path, "sets": {}}
     for split, label in TASK_SETS.items():
-        tasks = list_tasks(addresses["sandbox"], split, toolchain)
+        ids = args.train_ids if split == "train" else args.held_out_ids
+        tasks = get_tasks(addresses["sandbox"], ids) if ids else list_tasks(addresses["sandbox"], split, toolchain)
         say(f"measuring {len(models)} models on the {len(tasks)} {label} ({args.eval_samples} samples each) ...")
         seed = derive_seed(args.seed, "expand-compress", split)
         reports = {name: measure(addresses, name, model, tasks, toolchain=toolchain, samples=args.eval_samples, turns=1,
