@@ -46,6 +46,11 @@ def add_training_options(parser, *, eval_every: int) -> None:
                         help=f"evaluation every N steps (default {eval_every}; always before the first and after the last)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
     add_task_families_option(parser)
+    parser.add_argument("--speed-rank", choices=("auto", "on", "off"), default="auto",
+                        help="whether the rank reward breaks ties between solved rollouts by their measured speed: "
+                             "auto (the default) is on with the cuda toolchain and off with the cpu one, where "
+                             "timings on a shared CPU are the one input that differs between two runs of the same "
+                             "command; off, the same command gives the same pass rates every time")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -80,14 +85,14 @@ FAMILY_SEED = 0  # the seed of the generated tasks
 TRAIN_TASKS_MEASURED = 48  # training tasks measured on fresh samples at each evaluation (the first by id)
 
 
-def experiment_tasks(task_families: str) -> list | None:
-    """The tasks a `--task-families` value names (FULL view; the sandbox serves the same ones),
-    None for 'none' (the built-in suite). UserError naming the option for a bad value."""
+def experiment_tasks(task_families: str) -> list:
+    """The tasks a `--task-families` value names (FULL view; the sandbox serves the same ones):
+    the built-in suite for 'none'. UserError naming the option for a bad value."""
     from leap.cli import UserError
-    from leap.tasks import families
+    from leap.tasks import families, load_suite
 
     if task_families.strip() == "none":
-        return None
+        return list(load_suite())
     try:
         entries = families.parse_served([e for e in task_families.split(",") if e.strip()])
     except (KeyError, ValueError) as err:
@@ -106,11 +111,8 @@ def families_env(task_families: str) -> dict[str, str]:
     return {"LEAP_SANDBOX_TASK_FAMILIES": task_families, "LEAP_SANDBOX_TASK_FAMILY_SEED": str(FAMILY_SEED)}
 
 
-def split_ids(tasks: list | None) -> tuple[list[str], list[str]]:
-    """The training and held-out ids of experiment_tasks' result, sorted; empty for the built-in
-    suite (a run's default: every training task and every held-out one the sandbox serves)."""
-    if tasks is None:
-        return [], []
+def split_ids(tasks: list) -> tuple[list[str], list[str]]:
+    """The training and held-out ids of experiment_tasks' result, sorted."""
     return (sorted(t.id for t in tasks if t.split == "train"), sorted(t.id for t in tasks if t.split == "heldout"))
 
 
@@ -139,6 +141,21 @@ def run(args, _extra) -> int:
         stack.stop()
     write_report(report, out)
     return 0
+
+
+# A rank config's speedup_margin that no two speedups exceed: solved rollouts tie on speed and
+# are ranked by their turn and then their length alone (RankConfig's tournament).
+NO_SPEED_MARGIN = 1e12
+
+
+def rank_config(speed_rank: str, toolchain: int):
+    """The runs' RankConfig for a `--speed-rank` value: the service's defaults, or with speed
+    left out of the tie-break."""
+    from leap.common.v1 import common_pb2
+    from leap.reward.v1 import reward_pb2
+
+    on = speed_rank == "on" or (speed_rank == "auto" and toolchain == common_pb2.Toolchain.TOOLCHAIN_CUDA)
+    return reward_pb2.RankConfig() if on else reward_pb2.RankConfig(speedup_margin=NO_SPEED_MARGIN)
 
 
 def trackers(report_to: str) -> list[str]:
@@ -173,8 +190,8 @@ def demo_toolchain() -> int:
     return common_pb2.Toolchain.TOOLCHAIN_CPU
 
 
-def bootstrap(directory: Path, toolchain: int, tasks: list | None, quiet: bool) -> Path:
-    """The tiny model warm-started on the training split of `tasks` (None: the built-in suite)."""
+def bootstrap(directory: Path, toolchain: int, tasks: list, quiet: bool) -> Path:
+    """The tiny model warm-started on the training split of `tasks`."""
     from leap.bootstrap import BootstrapConfig, bootstrap_model
     from leap.union import toolchain_name
 
@@ -183,9 +200,8 @@ def bootstrap(directory: Path, toolchain: int, tasks: list | None, quiet: bool) 
                            progress=not quiet)
 
 
-def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int, tasks: list | None) -> dict:
-    """The LEAP run on the training split of `tasks` (None: the built-in suite's), measured by
-    the trainer itself before the first step, every eval_every steps and after the last: the
+def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int, tasks: list) -> dict:
+    """The LEAP run on the training split of `tasks`, measured by the trainer itself before the first step, every eval_every steps and after the last: the
     held-out split, and the first TRAIN_TASKS_MEASURED training tasks on fresh samples."""
     train_ids, held_out_ids = split_ids(tasks)
     from leap.clients import connect
@@ -201,7 +217,8 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
         eval_train_task_count=TRAIN_TASKS_MEASURED,
         train_tasks=train_ids, eval_tasks=held_out_ids,
         checkpoint_every=max(1, args.steps // 2), display_name="leap demo", report_to=getattr(args, "trackers", []),
-        optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate))
+        optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
+        rank=rank_config(args.speed_rank, toolchain))
     trainer = connect("trainer", addresses["trainer"], aio=False)
     started = time.perf_counter()
     try:
@@ -212,16 +229,12 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
     train_events = [dict(e.values) for e in finished.of_kind("train")]
     measured = {key: finished.evaluations(prefix) for key, prefix in (("held_out", ""), ("train_tasks", TRAIN_TASKS))}
 
-    def count(ids: list[str], key: str) -> int:  # the built-in suite's sets are the sandbox's: count what was measured
-        evals = measured[key]
-        return len(ids) if ids else round(evals[-1].get("samples", 0.0) / args.eval_samples) if evals else 0
-
     return {
         "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": time.perf_counter() - started,
         "steps": args.steps, "turns": args.max_turns, "model": str(model),
-        "task_counts": {"held_out": count(held_out_ids, "held_out"),
-                        "train_tasks": min(len(train_ids), TRAIN_TASKS_MEASURED) if train_ids else count([], "train_tasks"),
-                        "trained_on": len(train_ids) or None},
+        "speed_rank": not config.rank.HasField("speedup_margin"),
+        "task_counts": {"held_out": len(held_out_ids), "train_tasks": min(len(train_ids), TRAIN_TASKS_MEASURED),
+                        "trained_on": len(train_ids)},
         **{key: {"before": evals[0], "after": evals[-1]} if evals else {"before": {}, "after": {}}
            for key, evals in measured.items()},
         "sandbox_evaluations": sum(v.get("sandbox/evaluations", 0.0) for v in train_events),

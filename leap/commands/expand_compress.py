@@ -52,7 +52,7 @@ def add_parser(subparsers) -> None:
                                                                    "measurement (default 8)")
     parser.add_argument("--train-tasks", type=int, default=64, help="training tasks (the first by id) RGRPO trains "
                                                                    "on, the union covers and the measurement samples "
-                                                                   "(default 64; the built-in suite: all of them)")
+                                                                   "(default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
     add_task_families_option(parser)
     parser.add_argument("--seeds", type=int, default=3, help="seeds to repeat the whole experiment with: --seed, "
@@ -173,7 +173,7 @@ def measure_all(args, addresses: dict[str, str], model: Path, toolchain: int, un
     rates give the union's best-of-teachers pass@1 and coverage on each set."""
     from leap.clients import connect
     from leap.commands.demo import say
-    from leap.experiments.measure import get_tasks, list_tasks, measure
+    from leap.experiments.measure import get_tasks, measure
     from leap.policy.v1 import policy_pb2
     from leap.rollouts import derive_seed
 
@@ -187,8 +187,7 @@ def measure_all(args, addresses: dict[str, str], model: Path, toolchain: int, un
     results: dict = {"teachers": [t.name for t in union.teachers], "students": students, "tau": union.tau,
                      "train_coverage_by_round": list(union.coverage_by_round), "union_path": union.path, "sets": {}}
     for split, label in TASK_SETS.items():
-        ids = args.train_ids if split == "train" else args.held_out_ids
-        tasks = get_tasks(addresses["sandbox"], ids) if ids else list_tasks(addresses["sandbox"], split, toolchain)
+        tasks = get_tasks(addresses["sandbox"], args.train_ids if split == "train" else args.held_out_ids)
         say(f"measuring {len(models)} models on the {len(tasks)} {label} ({args.eval_samples} samples each) ...")
         seed = derive_seed(args.seed, "expand-compress", split)
         reports = {name: measure(addresses, name, model, tasks, toolchain=toolchain, samples=args.eval_samples, turns=1,
