@@ -59,6 +59,24 @@ def scramble_into(source: np.ndarray, out: np.ndarray, key: int) -> None:
     np.bitwise_xor(source.view(unsigned), unsigned(key), out=out.reshape(-1).view(unsigned))
 
 
+def scramble_rows(sources: Sequence[np.ndarray], out: np.ndarray, keys: Sequence[int]) -> None:
+    """`scramble_into` for the calls of a run at once: row i of `out` (a (calls, size) array,
+    `shm.Region.rows`) gets sources[i] scrambled with keys[i], in one NumPy operation."""
+    if not len(sources):
+        return
+    first = np.asarray(sources[0])
+    if any(np.asarray(s).dtype != first.dtype for s in sources):  # not one dtype: call by call
+        for source, row, key in zip(sources, out, keys):
+            scramble_into(source, row, key)
+        return
+    stacked = np.stack([np.ascontiguousarray(s).reshape(-1) for s in sources])
+    if first.dtype.kind != "f":
+        np.copyto(out.view(first.dtype), stacked)
+        return
+    unsigned = UNSIGNED[first.dtype.itemsize]
+    np.bitwise_xor(stacked.view(unsigned), np.asarray(keys, dtype=unsigned)[:, None], out=out.view(unsigned))
+
+
 class ReferenceStore:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes

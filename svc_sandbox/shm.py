@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import fcntl
+import functools
 import math
 import mmap
 import os
@@ -47,19 +48,20 @@ class Tensor:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
+    # Cached: the service asks for these for every tensor of every timed call.
+    @functools.cached_property
     def itemsize(self) -> int:
         return 2 if self.dtype == BFLOAT16 else np.dtype(self.dtype).itemsize
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.size * self.itemsize
 
-    @property
+    @functools.cached_property
     def numpy_dtype(self) -> np.dtype:
         return np.dtype(np.uint16) if self.dtype == BFLOAT16 else np.dtype(self.dtype)
 
@@ -72,32 +74,39 @@ class Layout:
     outputs: tuple[Tensor, ...]
     slots: int
 
-    @property
+    # Cached (the dataclass is frozen): offsets are asked for every tensor of every timed call.
+    @functools.cached_property
     def tensors(self) -> tuple[Tensor, ...]:
         return self.inputs + self.outputs
 
+    @functools.cached_property
+    def _starts(self) -> tuple[int, ...]:
+        """Each tensor's first page's offset in a slot, then the slot's bytes."""
+        starts = [0]
+        for t in self.tensors:
+            starts.append(starts[-1] + _pages(t.nbytes))
+        return tuple(starts)
+
     @property
     def slot_bytes(self) -> int:
-        return sum(_pages(t.nbytes) for t in self.tensors)
+        return self._starts[-1]
 
     @property
     def size(self) -> int:
         return max(PAGE, self.slots * self.slot_bytes)
 
-    @property
+    @functools.cached_property
     def call_bytes(self) -> int:
         """Bytes of data (not pages) of one call's tensors."""
         return sum(t.nbytes for t in self.tensors)
 
     def span(self, index: int) -> tuple[int, int]:
         """(offset in a slot of the tensor's first page, its page bytes)."""
-        offset = sum(_pages(t.nbytes) for t in self.tensors[:index])
-        return offset, _pages(self.tensors[index].nbytes)
+        return self._starts[index], self._starts[index + 1] - self._starts[index]
 
     def offset(self, slot: int, index: int) -> int:
         """Offset in the memfd of the first byte of tensor `index` of `slot`."""
-        start, pages = self.span(index)
-        return slot * self.slot_bytes + start + pages - self.tensors[index].nbytes
+        return slot * self._starts[-1] + self._starts[index + 1] - self.tensors[index].nbytes
 
     def as_dict(self) -> dict[str, Any]:
         encode = lambda ts: [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in ts]  # noqa: E731
@@ -145,12 +154,30 @@ class Region:
         tensor = self.layout.tensors[index]
         return np.frombuffer(self.map, dtype=np.uint8, count=tensor.nbytes, offset=self.layout.offset(slot, index))
 
+    def rows(self, index: int, count: int, first: int = 0, raw: bool = False) -> np.ndarray:
+        """Tensor `index` of slots first .. first + count - 1 as one (count, size) array, a
+        strided view (bfloat16 as uint16; with `raw`, bytes): one NumPy operation writes the
+        tensor of every call of a run, where a loop over the calls would cost more in Python
+        than the writing for the small tensors of most tasks."""
+        tensor = self.layout.tensors[index]
+        dtype = np.dtype(np.uint8) if raw else tensor.numpy_dtype
+        return np.ndarray((count, tensor.nbytes // dtype.itemsize), dtype=dtype, buffer=self.map,
+                          offset=self.layout.offset(first, index), strides=(self.layout.slot_bytes, dtype.itemsize))
+
     def fill(self, slots: Iterable[int], indexes: Iterable[int], byte: int, chunk: int = 4 << 20) -> None:
         """Set every byte of these tensors, a chunk at a time, dropping each chunk from this
-        mapping once written (the data stays in the memfd)."""
-        indexes = list(indexes)
+        mapping once written (the data stays in the memfd); tensors of at most a chunk, for a
+        run of consecutive slots, in one operation."""
+        slots, indexes = list(slots), list(indexes)
+        consecutive = bool(slots) and slots == list(range(slots[0], slots[0] + len(slots)))
+        large = []
+        for index in indexes:
+            if consecutive and self.layout.tensors[index].nbytes <= chunk:
+                self.rows(index, len(slots), slots[0], raw=True).fill(byte)
+            else:
+                large.append(index)
         for slot in slots:
-            for index in indexes:
+            for index in large:
                 raw = self.raw(slot, index)
                 for start in range(0, raw.size, chunk):
                     raw[start:start + chunk].fill(byte)

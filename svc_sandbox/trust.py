@@ -71,7 +71,7 @@ from leap.sandbox.v1 import sandbox_pb2
 from svc_sandbox import checking, shm, timing, verdicts
 from svc_sandbox.harness import FETCH, GENERATE, GO, STAGE
 from svc_sandbox.isolation import ExitInfo, JobCancelled, Limits
-from svc_sandbox.references import ReferenceStore, TrialData, fresh_integers, mantissa_key, scramble_into
+from svc_sandbox.references import ReferenceStore, TrialData, fresh_integers, mantissa_key, scramble_rows
 from svc_sandbox.timer import SessionLink
 
 Stage = common_pb2.Stage
@@ -191,9 +191,10 @@ class BuiltinSource(Source):
     def prepare(self, m: Measurement, who: str, count: int) -> None:
         region = m.candidate if who == CANDIDATE else m.reference
         assert region is not None
-        for slot, row in enumerate(self._batch[:count]):
-            for index, (source, key) in enumerate(row):
-                scramble_into(source, region.view(slot, index), key)
+        batch = self._batch[:count]
+        for index in range(len(m.layout.inputs)):
+            scramble_rows([row[index][0] for row in batch], region.rows(index, len(batch)),
+                          [row[index][1] for row in batch])
 
     def expected(self, m: Measurement, slot: int) -> list[np.ndarray]:
         assert m.reference is not None
