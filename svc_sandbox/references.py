@@ -59,13 +59,18 @@ def scramble_into(source: np.ndarray, out: np.ndarray, key: int) -> None:
     np.bitwise_xor(source.view(unsigned), unsigned(key), out=out.reshape(-1).view(unsigned))
 
 
+ROW_BY_ROW_BYTES = 1 << 16
+
+
 def scramble_rows(sources: Sequence[np.ndarray], out: np.ndarray, keys: Sequence[int]) -> None:
     """`scramble_into` for the calls of a run at once: row i of `out` (a (calls, size) array,
     `shm.Region.rows`) gets sources[i] scrambled with keys[i], in one NumPy operation."""
     if not len(sources):
         return
     first = np.asarray(sources[0])
-    if any(np.asarray(s).dtype != first.dtype for s in sources):  # not one dtype: call by call
+    # Call by call where the dtypes differ, or where a row is large enough that stacking the
+    # sources (one more copy) costs more than the loop's Python.
+    if first.nbytes >= ROW_BY_ROW_BYTES or any(np.asarray(s).dtype != first.dtype for s in sources):
         for source, row, key in zip(sources, out, keys):
             scramble_into(source, row, key)
         return

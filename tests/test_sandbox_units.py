@@ -287,7 +287,8 @@ def test_a_run_written_in_one_operation_holds_what_a_call_by_call_write_gives():
 
     rng = np.random.default_rng(3)
     layout = shm.Layout((shm.Tensor("x", "<f4", (3, 37)), shm.Tensor("i", "<i8", (5,)),
-                         shm.Tensor("h", "bfloat16", (6000,)), shm.Tensor("d", "<f8", (9,))),
+                         shm.Tensor("h", "bfloat16", (6000,)), shm.Tensor("d", "<f8", (9,)),
+                         shm.Tensor("big", "<f4", (17000,))),  # over ROW_BY_ROW_BYTES: row by row
                         (shm.Tensor("out", "<f4", (1100,)),), slots=7)
     batched, looped = shm.Region(layout, "a"), shm.Region(layout, "b")
     try:
@@ -297,17 +298,18 @@ def test_a_run_written_in_one_operation_holds_what_a_call_by_call_write_gives():
         sources = {"x": [rng.random((3, 37), dtype=np.float32) for _ in range(calls)],
                    "i": [rng.integers(-9, 9, 5) for _ in range(calls)],
                    "h": [rng.integers(0, 1 << 16, 6000).astype(np.uint16) for _ in range(calls)],
-                   "d": [rng.random(9) for _ in range(calls)]}
+                   "d": [rng.random(9) for _ in range(calls)],
+                   "big": [rng.random(17000, dtype=np.float32) for _ in range(calls)]}
         keys = {name: [mantissa_key(np.asarray(s[0]).dtype, rng) if np.asarray(s[0]).dtype.kind == "f" else 0
                        for _ in range(calls)] for name, s in sources.items()}
         for index, name in enumerate(sources):
             scramble_rows(sources[name], batched.rows(index, calls), keys[name])
             for slot in range(calls):
                 scramble_into(sources[name][slot], looped.view(slot, index), keys[name][slot])
-        batched.fill(range(calls), [4], 0xFF)
-        batched.fill([6], [4], 0xFF, chunk=64)  # not consecutive with a chunk smaller than the tensor: call by call
+        batched.fill(range(calls), [5], 0xFF)
+        batched.fill([6], [5], 0xFF, chunk=64)  # not consecutive with a chunk smaller than the tensor: call by call
         for slot in list(range(calls)) + [6]:
-            looped.raw(slot, 4)[:] = 0xFF
+            looped.raw(slot, 5)[:] = 0xFF
         assert np.frombuffer(batched.map, dtype=np.uint8).tobytes() == np.frombuffer(looped.map, dtype=np.uint8).tobytes()
         x0 = batched.view(0, 0).view(np.uint32) ^ np.uint32(keys["x"][0])
         assert np.array_equal(x0, sources["x"][0].reshape(-1).view(np.uint32))  # and it is the scramble, not a copy
