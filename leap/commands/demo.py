@@ -50,7 +50,7 @@ def add_training_options(parser, *, eval_every: int) -> None:
                         help="whether the rank reward breaks ties between solved rollouts by their measured speed: "
                              "auto (the default) is on with the cuda toolchain and off with the cpu one, where "
                              "timings on a shared CPU are the one input that differs between two runs of the same "
-                             "command; off, the same command gives the same pass rates every time")
+                             "command; off, the same command gives the same pass rates every time on one machine")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
