@@ -51,35 +51,34 @@ def scramble_into(source: np.ndarray, out: np.ndarray, key: int) -> None:
     every element changes, and no output for `source` helps compute the output for `out`
     (the bits are mixed, not the values shifted or scaled, so no algebra of the op relates
     them). Integer inputs are copied (the caller draws them fresh)."""
-    source = np.ascontiguousarray(source).reshape(-1)
-    if source.dtype.kind != "f":
-        np.copyto(out.reshape(-1).view(source.dtype), source)
-        return
-    unsigned = UNSIGNED[source.dtype.itemsize]
-    np.bitwise_xor(source.view(unsigned), unsigned(key), out=out.reshape(-1).view(unsigned))
+    _scramble(np.ascontiguousarray(source).reshape(-1), out.reshape(-1), key)
 
 
-ROW_BY_ROW_BYTES = 1 << 16
+ROW_BY_ROW_BYTES = 1 << 16  # rows this large: the loop's Python is small beside the bytes
 
 
 def scramble_rows(sources: Sequence[np.ndarray], out: np.ndarray, keys: Sequence[int]) -> None:
     """`scramble_into` for the calls of a run at once: row i of `out` (a (calls, size) array,
-    `shm.Region.rows`) gets sources[i] scrambled with keys[i], in one NumPy operation."""
+    `shm.Region.rows`) gets sources[i] scrambled with keys[i], in one NumPy operation (row by
+    row where the rows are large, so stacking the sources would only add a copy, or where
+    their dtypes differ)."""
     if not len(sources):
         return
     first = np.asarray(sources[0])
-    # Call by call where the dtypes differ, or where a row is large enough that stacking the
-    # sources (one more copy) costs more than the loop's Python.
     if first.nbytes >= ROW_BY_ROW_BYTES or any(np.asarray(s).dtype != first.dtype for s in sources):
         for source, row, key in zip(sources, out, keys):
             scramble_into(source, row, key)
         return
-    stacked = np.stack([np.ascontiguousarray(s).reshape(-1) for s in sources])
-    if first.dtype.kind != "f":
-        np.copyto(out.view(first.dtype), stacked)
+    _scramble(np.stack([np.ascontiguousarray(s).reshape(-1) for s in sources]), out, np.asarray(keys)[:, None])
+
+
+def _scramble(source: np.ndarray, out: np.ndarray, keys: int | np.ndarray) -> None:
+    """The rule of `scramble_into` on arrays of one shape (`keys` broadcast against them)."""
+    if source.dtype.kind != "f":
+        np.copyto(out.view(source.dtype), source)
         return
-    unsigned = UNSIGNED[first.dtype.itemsize]
-    np.bitwise_xor(stacked.view(unsigned), np.asarray(keys, dtype=unsigned)[:, None], out=out.view(unsigned))
+    unsigned = UNSIGNED[source.dtype.itemsize]
+    np.bitwise_xor(source.view(unsigned), np.asarray(keys).astype(unsigned), out=out.view(unsigned))
 
 
 class ReferenceStore:

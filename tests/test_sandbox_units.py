@@ -314,6 +314,9 @@ def test_a_run_written_in_one_operation_holds_what_a_call_by_call_write_gives():
         x0 = batched.view(0, 0).view(np.uint32) ^ np.uint32(keys["x"][0])
         assert np.array_equal(x0, sources["x"][0].reshape(-1).view(np.uint32))  # and it is the scramble, not a copy
         assert not np.array_equal(batched.view(0, 0), sources["x"][0].reshape(-1))
+        d1 = batched.view(1, 3).view(np.uint64) ^ np.uint64(keys["d"][1])  # the 8-byte path too
+        assert np.array_equal(d1, sources["d"][1].view(np.uint64))
+        assert np.array_equal(batched.view(2, 1), sources["i"][2])  # integers copied
     finally:
         batched.close()
         looped.close()
