@@ -59,17 +59,27 @@ ROW_BY_ROW_BYTES = 1 << 16  # rows this large: the loop's Python is small beside
 
 def scramble_rows(sources: Sequence[np.ndarray], out: np.ndarray, keys: Sequence[int]) -> None:
     """`scramble_into` for the calls of a run at once: row i of `out` (a (calls, size) array,
-    `shm.Region.rows`) gets sources[i] scrambled with keys[i], in one NumPy operation (row by
-    row where the rows are large, so stacking the sources would only add a copy, or where
-    their dtypes differ)."""
+    `shm.Region.rows`) gets sources[i] scrambled with keys[i]. Consecutive rows made from one
+    source (the same array object: a pool set) are one NumPy operation that broadcasts the
+    source against their keys, reading it once and writing each row once; rows of sources of
+    their own (integers drawn afresh) are stacked into one operation where they are small and
+    of one dtype, else written row by row (stacking large rows would only add a copy)."""
     if not len(sources):
         return
+    runs, start = [], 0  # [start, end) of consecutive rows with one source
+    for i in range(1, len(sources) + 1):
+        if i == len(sources) or sources[i] is not sources[start]:
+            runs.append((start, i))
+            start = i
+    keys = np.asarray(keys, dtype=np.uint64)
     first = np.asarray(sources[0])
-    if first.nbytes >= ROW_BY_ROW_BYTES or any(np.asarray(s).dtype != first.dtype for s in sources):
-        for source, row, key in zip(sources, out, keys):
-            scramble_into(source, row, key)
+    if len(runs) == len(sources) and len(sources) > 1 and first.nbytes < ROW_BY_ROW_BYTES and \
+            all(np.asarray(s).dtype == first.dtype for s in sources):
+        _scramble(np.stack([np.ascontiguousarray(s).reshape(-1) for s in sources]), out, keys[:, None])
         return
-    _scramble(np.stack([np.ascontiguousarray(s).reshape(-1) for s in sources]), out, np.asarray(keys)[:, None])
+    for begin, end in runs:
+        source = np.ascontiguousarray(sources[begin]).reshape(1, -1)
+        _scramble(source, out[begin:end], keys[begin:end, None])
 
 
 def _scramble(source: np.ndarray, out: np.ndarray, keys: int | np.ndarray) -> None:

@@ -165,7 +165,10 @@ class BuiltinSource(Source):
 
     def fresh(self, m: Measurement, count: int) -> None:
         """Draw each slot's inputs: a pool set and a key per tensor (integers drawn afresh);
-        `prepare` writes them into each side's region right before it runs."""
+        `prepare` writes them into each side's region right before it runs. The slots are in
+        the order of their pool sets, so `scramble_rows` writes each set's slots in one
+        operation (a candidate learns nothing from it: the keys differ slot by slot, and which
+        slots share a set it could tell from their bits anyway)."""
         self._batch: list[list[tuple[np.ndarray, int]]] = []
         if not m.options.fresh_inputs:  # the check is off: every timed call gets trial 0's inputs
             data = self._trial0 or self._data(m, 0)
@@ -173,6 +176,7 @@ class BuiltinSource(Source):
             return
         pool = self.store.pool(self.spec, self.size, self.sizes)
         integers = [t.name for t in m.layout.inputs if np.dtype(t.dtype).kind != "f"]
+        draws = []
         for _ in range(count):
             while True:  # a (pool set, key) pair used once per session
                 choice = int(self._rng.integers(len(pool)))
@@ -180,6 +184,9 @@ class BuiltinSource(Source):
                 if (choice, key) not in self._keys_used:
                     self._keys_used.add((choice, key))
                     break
+            draws.append((choice, key))
+        draws.sort(key=lambda draw: draw[0])
+        for choice, key in draws:
             drawn = fresh_integers(self.spec, self.sizes, integers, self._rng) if integers else {}
             row = []
             for tensor in m.layout.inputs:

@@ -288,7 +288,8 @@ def test_a_run_written_in_one_operation_holds_what_a_call_by_call_write_gives():
     rng = np.random.default_rng(3)
     layout = shm.Layout((shm.Tensor("x", "<f4", (3, 37)), shm.Tensor("i", "<i8", (5,)),
                          shm.Tensor("h", "bfloat16", (6000,)), shm.Tensor("d", "<f8", (9,)),
-                         shm.Tensor("big", "<f4", (17000,))),  # over ROW_BY_ROW_BYTES: row by row
+                         shm.Tensor("big", "<f4", (17000,)),  # over ROW_BY_ROW_BYTES: row by row
+                         shm.Tensor("pooled", "<f4", (40,)), shm.Tensor("pooled_big", "<f4", (17000,))),
                         (shm.Tensor("out", "<f4", (1100,)),), slots=7)
     batched, looped = shm.Region(layout, "a"), shm.Region(layout, "b")
     try:
@@ -300,16 +301,22 @@ def test_a_run_written_in_one_operation_holds_what_a_call_by_call_write_gives():
                    "h": [rng.integers(0, 1 << 16, 6000).astype(np.uint16) for _ in range(calls)],
                    "d": [rng.random(9) for _ in range(calls)],
                    "big": [rng.random(17000, dtype=np.float32) for _ in range(calls)]}
+        # pool sets: one array object for consecutive slots (one broadcast operation each),
+        # and one set used again after another (its runs are not merged)
+        small, large = ([rng.random(n, dtype=np.float32) for _ in range(2)] for n in (40, 17000))
+        sources["pooled"] = [small[0], small[0], small[0], small[1], small[1], small[0]]
+        sources["pooled_big"] = [large[1], large[0], large[0], large[0], large[0], large[1]]
         keys = {name: [mantissa_key(np.asarray(s[0]).dtype, rng) if np.asarray(s[0]).dtype.kind == "f" else 0
                        for _ in range(calls)] for name, s in sources.items()}
         for index, name in enumerate(sources):
             scramble_rows(sources[name], batched.rows(index, calls), keys[name])
             for slot in range(calls):
                 scramble_into(sources[name][slot], looped.view(slot, index), keys[name][slot])
-        batched.fill(range(calls), [5], 0xFF)
-        batched.fill([6], [5], 0xFF, chunk=64)  # not consecutive with a chunk smaller than the tensor: call by call
+        out = len(layout.inputs)
+        batched.fill(range(calls), [out], 0xFF)
+        batched.fill([6], [out], 0xFF, chunk=64)  # not consecutive with a chunk smaller than the tensor: call by call
         for slot in list(range(calls)) + [6]:
-            looped.raw(slot, 5)[:] = 0xFF
+            looped.raw(slot, out)[:] = 0xFF
         assert np.frombuffer(batched.map, dtype=np.uint8).tobytes() == np.frombuffer(looped.map, dtype=np.uint8).tobytes()
         x0 = batched.view(0, 0).view(np.uint32) ^ np.uint32(keys["x"][0])
         assert np.array_equal(x0, sources["x"][0].reshape(-1).view(np.uint32))  # and it is the scramble, not a copy
@@ -317,6 +324,9 @@ def test_a_run_written_in_one_operation_holds_what_a_call_by_call_write_gives():
         d1 = batched.view(1, 3).view(np.uint64) ^ np.uint64(keys["d"][1])  # the 8-byte path too
         assert np.array_equal(d1, sources["d"][1].view(np.uint64))
         assert np.array_equal(batched.view(2, 1), sources["i"][2])  # integers copied
+        for slot in (2, 3, 5):  # each slot of a shared pool set has its own key
+            p = batched.view(slot, 5).view(np.uint32) ^ np.uint32(keys["pooled"][slot])
+            assert np.array_equal(p, sources["pooled"][slot].view(np.uint32))
     finally:
         batched.close()
         looped.close()
