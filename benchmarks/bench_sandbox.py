@@ -217,16 +217,16 @@ def served(checkout: Path, directory: Path, uid: int, **flags):
         sandbox.close()
 
 
-def bench_throughput(directory: Path, quick: bool, checkout: Path, uid: int) -> dict:
+def bench_throughput(directory: Path, quick: bool, checkout: Path, uid: int, **flags) -> dict:
     """The built-in suite's solutions (each made distinct, so each compiles) in one batch, with
     1 worker and one per core; timing_trials=5 and warmup_runs=1 as every version of this
-    benchmark has used."""
+    benchmark has used; `flags`: more `leap serve sandbox` options."""
     suite = tasks.load_suite()
     copies = 1 if quick else 2
     cores = available_cores()
     results = {}
     for workers in sorted({1, cores}):
-        with served(checkout, directory, uid, workers=workers, threads_per_candidate=1) as sandbox:
+        with served(checkout, directory, uid, workers=workers, threads_per_candidate=1, **flags) as sandbox:
             batch = [sandbox_pb2.Candidate(task_id=t.id, toolchain=CPU, source=prompts.answer(unique(solution(t.id))))
                      for t in suite for _ in range(copies)]
             verdicts, seconds = sandbox.batch(batch, timing_trials=5, warmup_runs=1)
@@ -315,8 +315,9 @@ def bench_noise(sandbox: Served, runs: int, label: str) -> dict:
     return rows
 
 
-def noise_conditions(args: argparse.Namespace, directory: Path, checkout: Path, uid: int) -> dict:
-    """The noise figure of one checkout under every condition asked for."""
+def noise_conditions(args: argparse.Namespace, directory: Path, checkout: Path, uid: int, **flags) -> dict:
+    """The noise figure of one checkout under every condition asked for (`flags`: more
+    `leap serve sandbox` options)."""
     results = {}
     runs = 8 if args.quick else args.noise_runs
     conditions = [("quiet", contextlib.nullcontext)]
@@ -325,7 +326,7 @@ def noise_conditions(args: argparse.Namespace, directory: Path, checkout: Path, 
     if args.load == "demo":
         conditions.append(("while leap demo trains", lambda: demo_load(Path(args.load_dir), args.load_warmup,
                                                                       args.load_seconds)))
-    with served(checkout, directory, uid) as sandbox:
+    with served(checkout, directory, uid, **flags) as sandbox:
         for label, condition in conditions:
             with condition():
                 row = results[label] = {"load_average": os.getloadavg()[0], **bench_noise(sandbox, runs, label)}
@@ -431,10 +432,20 @@ def main() -> int:
                                                                            "(built once, then reused)")
     parser.add_argument("--load-warmup", type=float, default=120.0, help="seconds the demo runs before measuring")
     parser.add_argument("--load-seconds", type=float, default=1800.0, help="the demo is stopped after this long")
+    parser.add_argument("--sandbox-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a `leap serve sandbox` option for the current checkout's sandboxes (throughput and "
+                             "noise; repeatable), to measure a setting against the baseline: for example "
+                             "timing_max_runs=8 (what trades throughput against the timing's interval)")
     parser.add_argument("--sandbox-uid", type=int, default=62000,
                         help="uid base of the sandboxes started here (each gets its own range: other sandboxes on "
                              "this host must not share it)")
     args = parser.parse_args()
+    options = {}
+    for item in args.sandbox_option:
+        name, equals, value = item.partition("=")
+        if not equals or not name.strip():
+            parser.error(f"--sandbox-option takes NAME=VALUE (for example timing_max_runs=8), got {item!r}")
+        options[name.strip().replace("-", "_")] = value
     configure_logging("warning")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -446,7 +457,7 @@ def main() -> int:
     results: dict = {"machine": {"cores": available_cores(), "load_average_at_start": os.getloadavg(),
                                  "note": "figures vary with what else runs on the machine: compare ratios taken in "
                                          "one run"},
-                     "checkouts": {k: str(v) for k, v in checkouts.items()}}
+                     "checkouts": {k: str(v) for k, v in checkouts.items()}, "current_options": options}
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as scratch:
         directory = Path(scratch)
         os.chmod(directory, 0o755)
@@ -462,7 +473,8 @@ def main() -> int:
             results["throughput"] = {}
             for offset, (name, checkout) in enumerate(checkouts.items()):
                 t = results["throughput"][name] = bench_throughput(directory, args.quick, checkout,
-                                                                   args.sandbox_uid + 100 * offset)
+                                                                   args.sandbox_uid + 100 * offset,
+                                                                   **(options if name == "current" else {}))
                 for workers, row in sorted(t["by_workers"].items()):
                     print(f"{name} batch, {workers} worker(s): {row['candidates']} candidates in {row['seconds']:.1f} s "
                           f"= {row['per_second']:.2f}/s" + (f" ({len(row['not_passed'])} did not pass)"
@@ -479,7 +491,8 @@ def main() -> int:
             results["noise"] = {}
             for offset, (name, checkout) in enumerate(checkouts.items()):
                 results["noise"][name] = noise_conditions(args, directory, checkout,
-                                                          args.sandbox_uid + 100 * (offset + 2))
+                                                          args.sandbox_uid + 100 * (offset + 2),
+                                                          **(options if name == "current" else {}))
                 save(results, out, args.json)
         if args.gpu or args.gpu_only:
             results["gpu"] = bench_gpu(directory, args.quick)
