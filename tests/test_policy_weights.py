@@ -99,6 +99,22 @@ def test_tensor_chunks_split_large_tensors_with_a_crc_each():
     assert messages[-1].commit and not messages[-1].HasField("chunk") and {m.version for m in messages} == {3}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_finds_every_nan_and_infinity_and_passes_sums_that_overflow(dtype):
+    from svc_policy.weights import all_finite
+
+    base = torch.randn(100_003, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert all_finite(base) and all_finite(base[:0])
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        for where in (0, 4097, base.numel() - 1):  # first, inside a vector, last (a second value far off)
+            spoiled = base.clone()
+            spoiled[[where, (where + 50_000) % base.numel()][: len(bad)]] = torch.tensor(bad, dtype=dtype)
+            assert not all_finite(spoiled), (bad, where)
+    # Finite values whose sum overflows the dtype are finite: the exact check decides.
+    huge = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)
+    assert not bool(torch.isfinite(huge.sum())) and all_finite(huge)
+
+
 def test_an_update_changes_the_outputs_and_bumps_the_version(stub, server, model, weights):
     before = stub.Generate(first_turn_request(model), timeout=60)
     reply = asyncio.run(_push(server.address, model, 1, perturbed(weights)))
