@@ -586,7 +586,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if request.transport == policy_pb2.WEIGHT_TRANSPORT_SHARED_MEMORY:
             tensors = await asyncio.to_thread(read_shared, Path(self.config.shm_dir), request, specs,
                                               self.shared_bytes_limit(entry), self.mappings)
-            adopt = False  # the learner writes the object again for its next push
+            # Handed over: the learner writes another object next, so the views can serve as
+            # they are; otherwise it may write this one again once the call answers.
+            adopt = request.shared_memory_handover
         elif request.transport == policy_pb2.WEIGHT_TRANSPORT_CUDA_IPC:
             tensors = await asyncio.to_thread(open_cuda_ipc, request, specs)
             adopt = False  # the learner's memory: copied before this call answers

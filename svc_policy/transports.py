@@ -8,8 +8,9 @@ old weights is running), so the commit semantics are one for every transport.
   them back shares this host's /dev/shm (a dead service's probe is removed by the next one).
 - `read_shared`: opens a learner's shared-memory object by name (refusing names that are not
   weight objects, objects others could have written, sizes and tables that do not add up),
-  checks every tensor's CRC-32 and returns views of the mapping, which the backend copies
-  into the model when it applies them (`SharedMappings` keeps the mapping for the next push).
+  checks every tensor's CRC-32 and returns views of the mapping, which the backend serves
+  as they are when the learner handed the object over (`shared_memory_handover`) and copies
+  into the model otherwise (`SharedMappings` keeps the mapping for the next push).
 - `WeightGroups`: torch.distributed groups with learners (a TCP store per group, this
   service rank 1), and the receiving side of a push over one.
 - `open_cuda_ipc`: tensors from a learner's CUDA IPC handles (GPU only).
@@ -116,8 +117,9 @@ class SharedMappings:
 def read_shared(directory: Path, request: policy_pb2.CommitWeightsRequest, specs: Mapping[str, TensorSpec],
                 max_bytes: int, mappings: SharedMappings) -> dict[str, torch.Tensor]:
     """The request's tensors, checked (name, dtype, shape, bounds, no overlap, CRC-32), as
-    views of the learner's shared-memory object. The learner writes the object again for its
-    next push once this commit has answered, so the backend copies out of the views."""
+    views of the learner's shared-memory object: the backend adopts them when the learner
+    handed the object over, and copies out of them otherwise (the learner may then write the
+    object again once this commit has answered)."""
     name = request.shared_memory_name
     if not SHM_NAME.match(name):
         raise invalid_argument("shared_memory_name", f"{name!r} is not a weight object's name "

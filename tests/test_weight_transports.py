@@ -103,6 +103,71 @@ def test_auto_takes_shared_memory_on_the_same_host(server, model, weights):
     assert push(server.address, model, 1, weights).transport == "shm"
 
 
+def test_shared_memory_serves_the_handed_over_object_and_never_writes_one_that_may_serve(stub, server, model,
+                                                                                          weights):
+    before = tokens(stub.Generate(first_turn_request(model), timeout=60))
+    new = perturbed(weights)
+
+    async def run():
+        channel = connect("policy", server.address)
+        pusher = WeightPusher(channel, model, "shm")
+        written = []  # the object each push wrote
+        take = pusher._shared.take
+        pusher._shared.take = lambda directory, size: written.append(take(directory, size)) or written[-1]
+        try:
+            await pusher.push(1, new)
+            after = tokens(stub.Generate(first_turn_request(model), timeout=60))
+            assert after != before
+            await pusher.push(2, weights)  # v1 serves from the first object: the second is written
+            assert written[1] is not written[0] and tokens(stub.Generate(first_turn_request(model), timeout=60)) == before
+            await pusher.push(3, new)  # v2 replaced every tensor of the first object: it is written again
+            assert written[2] is written[0] and tokens(stub.Generate(first_turn_request(model), timeout=60)) == after
+            # No copy was made: the service serves the object's own pages, so bytes written into
+            # it (which a pusher never does while they may serve) change what it samples.
+            written[0].write(tx.prepared(weights, torch.float32))
+            assert tokens(stub.Generate(first_turn_request(model), timeout=60)) == before
+            written[0].write(tx.prepared(new, torch.float32))
+            # A push that fails (a wrong checksum here) leaves the served weights; the object it
+            # wrote may or may not serve as far as the pusher knows, so the next push takes a fresh one.
+            real_entry = tx.entry
+            tx.entry = lambda name, tensor, **f: real_entry(name, tensor, **{**f, "crc32": f["crc32"] ^ 1})
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await pusher.push(4, weights)
+            finally:
+                tx.entry = real_entry
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and version_of(stub, model) == 3
+            assert written[3] is written[1] and tokens(stub.Generate(first_turn_request(model), timeout=60)) == after
+            await pusher.push(5, weights)
+            assert all(written[4] is not w for w in written[:4])
+            assert tokens(stub.Generate(first_turn_request(model), timeout=60)) == before
+            assert len(ours_in(Path("/dev/shm"))) == 2  # the oldest was unlinked (the service keeps its pages)
+        finally:
+            await pusher.close()
+            await channel.channel.close()
+
+    asyncio.run(run())
+    assert tokens(stub.Generate(first_turn_request(model), timeout=60)) == before  # unlinked objects still serve
+    assert not ours_in(Path("/dev/shm"))
+
+
+def test_handed_over_objects_are_reused_only_once_every_tensor_they_serve_was_replaced(tmp_path):
+    shared = tx.HandedOver()
+    first = shared.take(tmp_path, 64)
+    assert shared.take(tmp_path, 64) is first  # nothing serves from it yet
+    shared.committed(first, {"a", "b"})
+    second = shared.take(tmp_path, 64)
+    assert second is not first
+    shared.committed(second, {"a"})  # "b" still serves from the first object
+    third = shared.take(tmp_path, 64)
+    assert third is not first and third is not second and not first.path.exists()  # the oldest goes
+    shared.committed(third, {"a", "b"})
+    assert shared.take(tmp_path, 64) is second  # its "a" was replaced
+    assert shared.take(tmp_path, 128) is not second and not second.path.exists()  # too small: a larger one
+    shared.close()
+    assert not list(tmp_path.iterdir())
+
+
 def shared_request(model: str, version: int, state) -> tuple[policy_pb2.CommitWeightsRequest, tx.SharedSegment]:
     tensors = tx.prepared(state, torch.float32)
     shared = tx.SharedSegment(Path("/dev/shm"), tx.shared_size(tensors))

@@ -1,11 +1,12 @@
 """Pushing weights by the fastest transport a learner and a policy service share, with the
 same atomic, versioned, checksummed commit as the UpdateWeights stream:
 
-- shared memory (same host): the learner writes every tensor into one POSIX shared-memory
-  object it creates once (O_EXCL, mode 0600, an unguessable name) and reuses for every push,
-  computing each tensor's CRC-32 as it copies; `CommitWeights` carries only the object's
-  name, the tensor table and the checksums. The service copies out and verifies in one pass,
-  then applies; the learner unlinks the object when the pusher closes;
+- shared memory (same host): the learner writes every tensor into a POSIX shared-memory
+  object (O_EXCL, mode 0600, an unguessable name), computing each tensor's CRC-32 as it
+  copies; `CommitWeights` carries only the object's name, the tensor table and the
+  checksums, and hands the object over: the service verifies it and serves from its pages
+  (no second copy), so the learner alternates between two objects it keeps for every push
+  (`HandedOver`) and unlinks them when the pusher closes;
 - CUDA IPC (same host, GPU tensors): the table carries each tensor's IPC handles and a word
   sum computed on the GPU; the service copies device to device;
 - torch.distributed (any host): a two-process group (learner rank 0, service rank 1; gloo on
@@ -199,6 +200,51 @@ def _unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
+class HandedOver:
+    """A pusher's shared-memory objects under handover (`shared_memory_handover`): the
+    service may serve a committed tensor from the object's own pages, so an object is written
+    again only once this pusher's later commits have replaced every tensor it may still serve.
+    Pushes alternate between two objects; after a push whose outcome is not known (any error:
+    the service may or may not have applied it) both may be serving, and the next push writes
+    a fresh one, the oldest being unlinked (the service keeps the pages it maps)."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.segments: list[tuple[SharedSegment, set[str]]] = []  # oldest first, with what may serve from each
+
+    def take(self, directory: Path, size: int) -> SharedSegment:
+        """An object of at least `size` bytes that nothing served lives in (made if need be)."""
+        for segment, serving in self.segments:
+            if not serving and segment.size >= size:
+                return segment
+        while len(self.segments) >= self.keep:
+            free = [i for i, (_, serving) in enumerate(self.segments) if not serving]
+            self.segments.pop(free[0] if free else 0)[0].close()
+        segment = SharedSegment(directory, size)
+        self.segments.append((segment, set()))
+        return segment
+
+    def committed(self, segment: SharedSegment, names: set[str]) -> None:
+        """`names` now serve from `segment`, and from no other object."""
+        for other, serving in self.segments:
+            if other is segment:
+                serving.clear()
+                serving.update(names)
+            else:
+                serving.difference_update(names)
+
+    def unknown(self, segment: SharedSegment, names: set[str]) -> None:
+        """A push of `names` from `segment` failed: they may serve from it, or still from the others."""
+        for other, serving in self.segments:
+            if other is segment:
+                serving.update(names)
+
+    def close(self) -> None:
+        for segment, _ in self.segments:
+            segment.close()
+        self.segments.clear()
+
+
 def shared_size(tensors: list[tuple[str, torch.Tensor]]) -> int:
     """Bytes of an object holding `tensors` at ALIGN-aligned offsets."""
     size = 0
@@ -278,7 +324,7 @@ class WeightPusher:
         self.offer: policy_pb2.GetWeightTransportsResponse | None = None
         self.dropped: set[int] = set()
         self._group = None  # (group_id, store, process group)
-        self._segment: SharedSegment | None = None
+        self._shared = HandedOver()
 
     async def transports(self) -> list[int]:
         """The transports to try, best first (asks the service once)."""
@@ -348,18 +394,23 @@ class WeightPusher:
         tensors = prepared(state_dict, dtype)
         size = shared_size(tensors)
         try:
-            if self._segment is None or self._segment.size < size:
-                if self._segment is not None:
-                    self._segment.close()
+            if not self._shared.segments:
                 await asyncio.to_thread(sweep_leftovers, directory)
-                self._segment = await asyncio.to_thread(SharedSegment, directory, size)
-            entries = await asyncio.to_thread(self._segment.write, tensors)
-        except OSError as err:  # no room, no such directory, not writable
+            segment = await asyncio.to_thread(self._shared.take, directory, size)
+            entries = await asyncio.to_thread(segment.write, tensors)
+        except OSError as err:  # no room (two objects of the weights' size are needed), no such directory
             raise TransportUnavailable(f"cannot write shared memory in {directory}: {err}") from None
         request = policy_pb2.CommitWeightsRequest(
-            model=self.model, version=version, transport=SHARED_MEMORY, shared_memory_name=self._segment.path.name,
-            shared_memory_bytes=self._segment.size, tensors=entries)
-        return await self._commit(request)
+            model=self.model, version=version, transport=SHARED_MEMORY, shared_memory_name=segment.path.name,
+            shared_memory_bytes=segment.size, tensors=entries, shared_memory_handover=True)
+        names = {name for name, _ in tensors}
+        try:
+            reply = await self._commit(request)
+        except BaseException:
+            self._shared.unknown(segment, names)
+            raise
+        self._shared.committed(segment, names)
+        return reply
 
     async def _push_cuda_ipc(self, version: int, state_dict, dtype):
         """GPU tensors by their CUDA IPC handles (the service copies them device to device
@@ -431,6 +482,4 @@ class WeightPusher:
 
     async def close(self) -> None:
         self._group = None
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
+        self._shared.close()

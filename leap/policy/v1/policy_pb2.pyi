@@ -1053,6 +1053,7 @@ class CommitWeightsRequest(_message.Message):
     SHARED_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     GROUP_ID_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_HANDOVER_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Name of a loaded model. Required."""
     version: _builtins.int
@@ -1062,13 +1063,23 @@ class CommitWeightsRequest(_message.Message):
     shared_memory_name: _builtins.str
     """Shared memory: the object's name in `shared_memory_dir` ("leap-w-" followed by the
     writer's process id, "-" and 32 hex digits), created by the caller with O_EXCL and mode
-    0600. It stays the caller's: the service only reads it during this call, so the caller
-    may write it again for its next push once the call has answered, and unlinks it when done.
+    0600. The caller unlinks it when done. Unless `shared_memory_handover` is set, it stays
+    the caller's: the service only reads it during this call, so the caller may write it
+    again for its next push once the call has answered.
     """
     shared_memory_bytes: _builtins.int
     """Shared memory: the object's size in bytes."""
     group_id: _builtins.str
     """torch.distributed: the group of OpenWeightGroup."""
+    shared_memory_handover: _builtins.bool
+    """Shared memory: the caller hands the object's pages over. It will not write them again
+    while the service may still serve any tensor of this commit from them, that is, until
+    later commits of its own have COMMITTED every one of those tensors again (a caller
+    alternates between two objects, and writes a fresh one after a call that failed). The
+    service may then serve the tensors from the object itself instead of copying them out;
+    unset, it copies before it answers. A service that does not know the field copies,
+    which is as correct.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorEntry]:
         """The tensors, in the order they are sent over a group. Required, at least one."""
@@ -1083,10 +1094,11 @@ class CommitWeightsRequest(_message.Message):
         shared_memory_bytes: _builtins.int = ...,
         group_id: _builtins.str = ...,
         tensors: _abc.Iterable[Global___TensorEntry] | None = ...,
+        shared_memory_handover: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "model", b"model", "shared_memory_bytes", b"shared_memory_bytes", "shared_memory_name", b"shared_memory_name", "tensors", b"tensors", "transport", b"transport", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "model", b"model", "shared_memory_bytes", b"shared_memory_bytes", "shared_memory_handover", b"shared_memory_handover", "shared_memory_name", b"shared_memory_name", "tensors", b"tensors", "transport", b"transport", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
