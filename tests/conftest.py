@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.prebuild import prebuilt, pytest_collection_finish  # noqa: F401  (the hook builds before the tests)
+from tests.prebuild import (prebuilt, pytest_collection_finish, pytest_collection_modifyitems,  # noqa: F401
+                             pytest_runtest_protocol, pytest_sessionfinish)  # (the hooks build beside the tests)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,7 +112,8 @@ def build_tiny_model() -> Path:
     under .leap-cache/bootstrap/ and shared by every test of the session (and later runs);
     treat it as read-only (copy it to change it). LEAP_TINY_MODEL_DIR names a model
     directory to use instead (one built earlier, or elsewhere). Built before the first test
-    when a selected test uses it (tests/prebuild.py), so no test's timeout covers the build."""
+    that uses it, in a child process beside the tests that do not need it
+    (tests/prebuild.py), so no test's timeout covers the build."""
     from leap.bootstrap import bootstrap_model
 
     if os.environ.get("LEAP_TINY_MODEL_DIR"):
