@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -98,6 +99,7 @@ class ReferenceStore:
         self._trials: collections.OrderedDict[Hashable, TrialData] = collections.OrderedDict()
         self._pools: dict[Hashable, list[dict[str, np.ndarray]]] = {}
         self._probes: dict[Hashable, dict[str, Any]] = {}
+        self._paces: dict[Hashable, float] = {}  # a task's reference seconds per call (timing.paced_calls)
         self._bytes = 0
         self._lock = threading.Lock()
         self._key_locks: dict[Hashable, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -154,6 +156,22 @@ class ReferenceStore:
         """A KernelBench problem's probe (its tensors' dtypes and shapes), computed once per key;
         a failed probe is reported, not remembered."""
         return self._cached(self._probes, key, compute, lambda value: value is not None)
+
+    def pace(self, key: Hashable) -> float | None:
+        """The reference's steady seconds per call on a task (key: the task and its sizes),
+        as the first evaluation of it in this process measured; None before that."""
+        with self._lock:
+            return self._paces.get(key)
+
+    def record_pace(self, key: Hashable, seconds: float) -> None:
+        """Keep the first measured pace of a task (later ones do not move it: the same task
+        keeps its calls per run for the life of the service)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        with self._lock:
+            if len(self._paces) >= 100_000:
+                self._paces.clear()
+            self._paces.setdefault(key, seconds)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -58,8 +58,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import secrets
+import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,8 @@ class Source:
     """Where a session's inputs and expected outputs come from."""
 
     expected_in_reference = False  # expected outputs are views of the reference's region
+    paces: ReferenceStore | None = None  # where the task's pace is kept (timing.paced_calls)
+    pace_key: Hashable = None  # the task and its sizes
 
     def trial(self, m: Measurement, t: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Write trial t's inputs into slot 0 of the candidate's region; return (pristine
@@ -146,6 +149,7 @@ class BuiltinSource(Source):
 
     def __init__(self, store: ReferenceStore, spec: tasks.TaskSpec, size: str, sizes: dict[str, int], seed: int):
         self.store, self.spec, self.size, self.sizes, self.seed = store, spec, size, sizes, seed
+        self.paces, self.pace_key = store, ("builtin", spec.task.id, size, tuple(sorted(sizes.items())))
         self._trial0: TrialData | None = None
         self._rng = np.random.default_rng(secrets.randbits(64))
         self._keys_used: set[tuple[int, int]] = set()
@@ -216,8 +220,9 @@ class ReferenceSource(Source):
 
     expected_in_reference = True
 
-    def __init__(self, trial_seeds: Sequence[int]):
+    def __init__(self, trial_seeds: Sequence[int], paces: ReferenceStore | None = None, pace_key: Hashable = None):
         self.trial_seeds = list(trial_seeds)
+        self.paces, self.pace_key = paces, pace_key
 
     def trial(self, m: Measurement, t: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         m.step(REFERENCE, GENERATE, 0, 1, seed=self.trial_seeds[t])
@@ -266,6 +271,7 @@ class Measurement:
         self.load_seconds = 0.0  # the candidate loading its code (a KernelBench module: its build)
         self.timing = False  # in the timed runs (the candidate may have no other process)
         self.floor = 0.0  # what an empty run costs (the reference's), taken off every run
+        self.trial_seconds = 0.0  # the candidate's slowest correctness trial (one call)
         self._random = secrets.SystemRandom()
 
     # ------------------------------------------------------------------ commands
@@ -361,7 +367,7 @@ class Measurement:
             inputs, expected = self.source.trial(self, t)
             if self.options.sentinel or t == 0:  # without the sentinel, later trials see the previous outputs
                 self.candidate.fill([0], self._outputs(), checking.SENTINEL_BYTE if self.options.sentinel else 0)
-            self.run(CANDIDATE, 0, 1)
+            self.trial_seconds = max(self.trial_seconds, self.run(CANDIDATE, 0, 1)[0])
             if not self._judge(0, t, inputs, expected, timed=False):
                 return False
             verdict.trials_passed = t + 1
@@ -472,14 +478,25 @@ class Measurement:
         # candidate's own empty runs are not used: it could make them slow and so look faster.
         empty = sorted(self.step(REFERENCE, GO, 0, 0) for _ in range(5))
         self.floor = empty[len(empty) // 2]
-        calls, warmed = 1, 1
-        for warmup in range(options.warmup_runs):  # untimed for the verdict, checked like any run
-            pair = self._pair(warmup, calls)
-            warmed = max(warmed, calls)
-            faster, slower = sorted((pair.reference_seconds, pair.candidate_seconds))
-            # the slower side's run keeps well inside its own time limit
-            calls = timing.calls_per_run(faster, options.run_seconds, self.layout.slots, slower,
-                                         options.run_timeout / 4)
+        source, key = self.source, (self.source.pace_key, options.clock)
+        pace = source.paces.pace(key) if source.paces is not None and source.pace_key is not None else None
+        longest = options.run_timeout / 4  # the slower side's run keeps well inside its own time limit
+        if pace is not None:
+            # A task timed before: its calls per run are fixed (timing.paced_calls); the
+            # candidate's correctness trials bound its first run, its warm-ups the others.
+            calls = warmed = timing.paced_calls(pace, options.run_seconds, self.layout.slots, self.trial_seconds,
+                                                longest)
+            for warmup in range(options.warmup_runs):
+                pair = self._pair(warmup, calls)
+                calls = min(calls, timing.paced_calls(pace, options.run_seconds, self.layout.slots,
+                                                      pair.candidate_seconds, longest))
+        else:
+            calls, warmed = 1, 1
+            for warmup in range(options.warmup_runs):  # untimed for the verdict, checked like any run
+                pair = self._pair(warmup, calls)
+                warmed = max(warmed, calls)
+                faster, slower = sorted((pair.reference_seconds, pair.candidate_seconds))
+                calls = timing.calls_per_run(faster, options.run_seconds, self.layout.slots, slower, longest)
         if options.warmup_runs and calls > warmed:
             # Slots no run has touched yet would cost each process its first-touch page faults
             # inside its first timed run (measured: the first pair's candidate 28 us against 16).
@@ -494,6 +511,8 @@ class Measurement:
             if timing.should_stop(len(pairs), width, min_pairs=options.min_pairs, max_pairs=options.max_pairs,
                                   target_width=options.interval_width, elapsed=time.monotonic() - started,
                                   budget_seconds=options.budget_seconds, block=timing.block_size(options.alternate)):
+                if pace is None and source.paces is not None and source.pace_key is not None:
+                    source.paces.record_pace(key, statistics.median(p.reference_seconds for p in pairs))
                 return pairs
 
     def _pair(self, number: int, calls: int) -> Pair:

@@ -183,6 +183,11 @@ def test_timed_runs_stop_at_a_narrow_interval_or_a_budget():
     assert stop(21, 0.3, elapsed=0.1, max_pairs=21, block=2)  # the budget in runs ends it mid-block
     assert timing.calls_per_run(1e-5, 1e-3, 256) == 100 and timing.calls_per_run(1e-2, 1e-3, 256) == 1
     assert timing.calls_per_run(1e-7, 1e-3, 256) == 256 and timing.calls_per_run(0.0, 1e-3, 8) == 8
+    # A known pace: a power of two, within the slots, and the candidate's run inside its bound.
+    paced = timing.paced_calls
+    assert paced(30e-6, 1e-3, 256, 0.0, math.inf) == 32 and paced(25e-6, 1e-3, 256, 1e-6, 0.1) == 32
+    assert paced(30e-6, 1e-3, 20, 0.0, math.inf) == 16 and paced(1e-2, 1e-3, 256, 0.0, math.inf) == 1
+    assert paced(30e-6, 1e-3, 256, 0.03, 0.1) == 3 and paced(30e-6, 1e-3, 256, 1.0, 0.1) == 1
 
 
 def test_compare_streams_in_chunks_and_releases_them():

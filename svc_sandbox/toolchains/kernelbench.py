@@ -122,7 +122,9 @@ class KernelbenchToolchain(Toolchain):
             sampling = functools.partial(self.evaluator.telemetry.sampling, request.device_index,
                                          settings.telemetry_interval)
         lock = self.evaluator.devices.lock(request.device_index) if cuda and request.timing else None
-        measurement = self.measure(zygote, layout, trust.ReferenceSource(seeds), options, verdict, candidate=candidate,
+        source = trust.ReferenceSource(seeds, self.evaluator.references,
+                                       ("kernelbench", request.task.id, device, hashlib.sha256(problem.encode()).hexdigest()))
+        measurement = self.measure(zygote, layout, source, options, verdict, candidate=candidate,
                                    reference=reference, sampling=sampling, lock=lock)
         verdict.compile.seconds = measurement.load_seconds if measurement else 0.0
         log = verdicts.read_log(cwd / "run.log")
