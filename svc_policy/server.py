@@ -609,8 +609,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                                                           f"the group is closed", "TRANSFER_FAILED") from None
             finally:
                 group.busy.release()
-        fields = {item.name: f"tensors[{i}]" for i, item in enumerate(request.tensors)}
-        await asyncio.to_thread(check_finite, tensors, fields)  # as the stream's commit: no NaN is ever served
+        if request.transport != policy_pb2.WEIGHT_TRANSPORT_SHARED_MEMORY:  # read_shared checked it with the CRCs
+            fields = {item.name: f"tensors[{i}]" for i, item in enumerate(request.tensors)}
+            await asyncio.to_thread(check_finite, tensors, fields)  # as the stream's commit: no NaN is ever served
         try:
             await asyncio.wrap_future(entry.engine.update(tensors, request.version, adopt=adopt))
         except ValueError as err:  # another update with a version at least as high got in first

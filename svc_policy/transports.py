@@ -31,14 +31,16 @@ from pathlib import Path
 
 import torch
 
-from leap.clients.transports import SHM_NAME, crc32, word_sum
+from leap.clients.transports import SHM_NAME, checksum_pieces, crc32, word_sum
 from leap.policy.v1 import policy_pb2
 from leap.runtime import Violations, failed_precondition, invalid_argument, not_found
 from leap.runtime.logging import get_logger
 from svc_policy.engine import TensorSpec
-from svc_policy.weights import check_table
+from svc_policy.weights import all_finite, check_finite, check_table
 
 log = get_logger("leap.policy.transports")
+
+VERIFY_BLOCK = 4 * 1024 * 1024  # verified in blocks that stay in L3 between the CRC and the sum
 
 
 class HostProbe:
@@ -116,7 +118,7 @@ class SharedMappings:
 
 def read_shared(directory: Path, request: policy_pb2.CommitWeightsRequest, specs: Mapping[str, TensorSpec],
                 max_bytes: int, mappings: SharedMappings) -> dict[str, torch.Tensor]:
-    """The request's tensors, checked (name, dtype, shape, bounds, no overlap, CRC-32), as
+    """The request's tensors, checked (name, dtype, shape, bounds, no overlap, CRC-32, finite), as
     views of the learner's shared-memory object: the backend adopts them when the learner
     handed the object over, and copies out of them otherwise (the learner may then write the
     object again once this commit has answered)."""
@@ -167,14 +169,30 @@ def read_shared(directory: Path, request: policy_pb2.CommitWeightsRequest, specs
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         v.check(start >= end, f"tensors[{max(first, second)}].offset", f"overlaps tensors[{min(first, second)}]")
     v.raise_if_any()
+    views = [flat[item.offset : item.offset + spec.nbytes] for item, spec in zip(request.tensors, table)]
+    arrays = [view.numpy() for view in views]
+    not_finite: set[int] = set()
+
+    def verify(i: int, start: int, stop: int) -> int:
+        # One read of the bytes from memory: each block's CRC, then its finite check while
+        # it is in cache (`all_finite`; the commit's own check_finite is skipped for these).
+        crc, dtype = 0, table[i].dtype
+        for first in range(start, stop, VERIFY_BLOCK):
+            last = min(first + VERIFY_BLOCK, stop)
+            crc = crc32(arrays[i][first:last], crc)
+            if dtype.is_floating_point and i not in not_finite and not all_finite(views[i][first:last].view(dtype)):
+                not_finite.add(i)
+        return crc
+
+    checksums = checksum_pieces([array.size for array in arrays], verify)
     tensors: dict[str, torch.Tensor] = {}
-    for index, (item, spec) in enumerate(zip(request.tensors, table)):
-        view = flat[item.offset : item.offset + spec.nbytes]
-        actual = crc32(view.numpy())
+    for index, (item, spec, view, actual) in enumerate(zip(request.tensors, table, views, checksums)):
         if actual != item.crc32:
             raise invalid_argument(f"tensors[{index}].crc32", f"checksum mismatch for {item.name!r}: the table says "
                                                               f"{item.crc32:#010x}, the object has {actual:#010x}")
         tensors[item.name] = view.view(spec.dtype).reshape(spec.shape)
+    bad = {item.name: tensors[item.name] for index, item in enumerate(request.tensors) if index in not_finite}
+    check_finite(bad, {item.name: f"tensors[{index}]" for index, item in enumerate(request.tensors)})
     return tensors
 
 

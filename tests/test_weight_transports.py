@@ -154,7 +154,6 @@ def test_shared_memory_serves_the_handed_over_object_and_never_writes_one_that_m
 def test_handed_over_objects_are_reused_only_once_every_tensor_they_serve_was_replaced(tmp_path):
     shared = tx.HandedOver()
     first = shared.take(tmp_path, 64)
-    assert shared.take(tmp_path, 64) is first  # nothing serves from it yet
     shared.committed(first, {"a", "b"})
     second = shared.take(tmp_path, 64)
     assert second is not first
@@ -163,7 +162,14 @@ def test_handed_over_objects_are_reused_only_once_every_tensor_they_serve_was_re
     assert third is not first and third is not second and not first.path.exists()  # the oldest goes
     shared.committed(third, {"a", "b"})
     assert shared.take(tmp_path, 64) is second  # its "a" was replaced
-    assert shared.take(tmp_path, 128) is not second and not second.path.exists()  # too small: a larger one
+    fourth = shared.take(tmp_path, 64)  # while a push uses the second: never the same object
+    assert fourth is not second and fourth is not third and not third.path.exists()
+    shared.unknown(second, {"a", "b"})  # that push failed: it may serve, as the third still may
+    shared.committed(fourth, {"a", "b"})
+    assert shared.take(tmp_path, 64) is second
+    shared.committed(second, {"a", "b"})
+    bigger = shared.take(tmp_path, 128)  # too small ones are not used: a larger one, the free one going
+    assert bigger is not fourth and not fourth.path.exists() and second.path.exists()
     shared.close()
     assert not list(tmp_path.iterdir())
 
@@ -342,6 +348,25 @@ def test_a_service_configured_for_the_stream_alone_offers_only_it(tiny_model_dir
         channel.close()
     finally:
         running.stop()
+
+
+def test_checksums_taken_in_parallel_pieces_are_the_whole_buffers_crc32(monkeypatch, tmp_path):
+    import zlib
+
+    import numpy as np
+
+    monkeypatch.setattr(tx, "PIECE", 1000)  # many pieces, some ragged
+    rng = np.random.default_rng(0)
+    buffers = [rng.integers(0, 256, size, dtype=np.uint8) for size in (0, 1, 999, 1000, 1001, 3 * 1000 + 5, 20_011)]
+    crcs = tx.checksum_pieces([b.size for b in buffers], lambda i, start, stop: zlib.crc32(buffers[i][start:stop]))
+    assert crcs == [zlib.crc32(b) for b in buffers]
+    # The shared-memory writer's copy goes the same way: each entry's CRC is zlib's of the tensor.
+    tensors = [(f"t{i}", torch.from_numpy(b.copy())) for i, b in enumerate(buffers)]
+    segment = tx.SharedSegment(tmp_path, tx.shared_size(tensors))
+    entries = segment.write(tensors)
+    assert [e.crc32 for e in entries] == [zlib.crc32(b) for b in buffers]
+    assert all(bytes(segment.array[e.offset : e.offset + b.size]) == b.tobytes() for e, b in zip(entries, buffers))
+    segment.close()
 
 
 def test_word_sum_reads_int32_words_and_a_padded_tail():

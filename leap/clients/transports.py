@@ -35,12 +35,14 @@ for the pusher's life and the push goes by the next one; a refusal of the weight
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import datetime
 import mmap
 import os
 import re
 import secrets
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -50,7 +52,7 @@ import grpc
 import numpy as np
 import torch
 
-from leap.clients.weights import NAMED_DTYPES, _unique, crc32, proto_dtype, push_weights
+from leap.clients.weights import NAMED_DTYPES, _unique, crc32, crc32_combine, proto_dtype, push_weights
 from leap.policy.v1 import policy_pb2
 from leap.runtime.logging import get_logger
 
@@ -65,6 +67,7 @@ CHOICES = ("auto", *NAMES)
 SHM_NAME = re.compile(r"^leap-w-(\d{1,10})-[0-9a-f]{32}$")
 ALIGN = 64  # byte alignment of each tensor in a shared-memory object
 BLOCK = 256 * 1024  # copy and checksum in blocks that stay in cache: the CRC reads what the copy just wrote
+PIECE = 8 * 1024 * 1024  # tensors are split into pieces of this size, copied and checksummed on parallel threads
 
 log = get_logger("leap.weights")
 
@@ -112,6 +115,40 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 def entry(name: str, tensor: torch.Tensor, **fields) -> policy_pb2.TensorEntry:
     return policy_pb2.TensorEntry(name=name, dtype=proto_dtype(tensor.dtype), shape=list(tensor.shape), **fields)
+
+
+# --- checksums in parallel -------------------------------------------------------------------------
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for copies and checksums (NumPy's copy and ISA-L's CRC release the GIL): as
+    many as this process may use cores, at most 4 (memory bandwidth runs out before that)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, cores)),
+                                                          thread_name_prefix="leap-weights")
+        return _POOL
+
+
+def checksum_pieces(sizes: list[int], work) -> list[int]:
+    """Each buffer's CRC-32, its bytes taken in pieces on parallel threads: `work(index, start,
+    stop)` handles bytes [start, stop) of buffer `index` (copying them, say) and returns their
+    CRC-32; the pieces' checksums are combined in order (`crc32_combine`), so the result is
+    the CRC-32 of the whole buffer. Without crc32_combine each buffer is one piece."""
+    jobs = []
+    for index, size in enumerate(sizes):
+        step = PIECE if crc32_combine is not None else max(size, 1)
+        jobs.extend((index, start, min(start + step, size)) for start in range(0, size, step))
+    results = list(_pool().map(lambda job: work(*job), jobs)) if len(jobs) > 1 else [work(*job) for job in jobs]
+    crcs = [0] * len(sizes)
+    for (index, start, stop), crc in zip(jobs, results):
+        crcs[index] = crc if start == 0 else crc32_combine(crcs[index], crc, stop - start)
+    return crcs
 
 
 # --- shared memory ------------------------------------------------------------------------------
@@ -173,19 +210,26 @@ class SharedSegment:
 
     def write(self, tensors: list[tuple[str, torch.Tensor]]) -> list[policy_pb2.TensorEntry]:
         """Copy every tensor in (each at an aligned offset), its CRC-32 computed block by
-        block right after each block's copy, while the bytes are still in cache."""
-        entries, offset = [], 0
-        for name, tensor in tensors:
+        block right after each block's copy, while the bytes are still in cache; pieces of
+        the tensors go on parallel threads (`checksum_pieces`)."""
+        sources, offsets, offset = [], [], 0
+        for _, tensor in tensors:
             offset = (offset + ALIGN - 1) // ALIGN * ALIGN
-            source = host_bytes(tensor)
-            crc = 0
-            for start in range(0, source.size, BLOCK):
-                block = self.array[offset + start : offset + min(start + BLOCK, source.size)]
-                np.copyto(block, source[start : start + BLOCK])
+            sources.append(host_bytes(tensor))
+            offsets.append(offset)
+            offset += sources[-1].size
+
+        def copy(index: int, start: int, stop: int) -> int:
+            crc, source, base = 0, sources[index], offsets[index]
+            for first in range(start, stop, BLOCK):
+                last = min(first + BLOCK, stop)
+                block = self.array[base + first : base + last]
+                np.copyto(block, source[first:last])
                 crc = crc32(block, crc)
-            entries.append(entry(name, tensor, offset=offset, crc32=crc))
-            offset += source.size
-        return entries
+            return crc
+
+        crcs = checksum_pieces([source.size for source in sources], copy)
+        return [entry(name, tensor, offset=at, crc32=crc) for (name, tensor), at, crc in zip(tensors, offsets, crcs)]
 
     def close(self) -> None:
         self._unlink()
@@ -206,43 +250,62 @@ class HandedOver:
     again only once this pusher's later commits have replaced every tensor it may still serve.
     Pushes alternate between two objects; after a push whose outcome is not known (any error:
     the service may or may not have applied it) both may be serving, and the next push writes
-    a fresh one, the oldest being unlinked (the service keeps the pages it maps)."""
+    a fresh one, the oldest being unlinked (the service keeps the pages it maps). An object a
+    push is writing or committing is never handed to another push on the same pusher."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
         self.segments: list[tuple[SharedSegment, set[str]]] = []  # oldest first, with what may serve from each
+        self.busy: set[int] = set()  # id() of the objects pushes are using now
+        self.lock = threading.Lock()
 
     def take(self, directory: Path, size: int) -> SharedSegment:
-        """An object of at least `size` bytes that nothing served lives in (made if need be)."""
+        """An object of at least `size` bytes that nothing served lives in (made if need be),
+        in use until `committed` or `unknown` is called for it."""
+        with self.lock:
+            return self._take(directory, size)
+
+    def _take(self, directory: Path, size: int) -> SharedSegment:
         for segment, serving in self.segments:
-            if not serving and segment.size >= size:
+            if not serving and segment.size >= size and id(segment) not in self.busy:
+                self.busy.add(id(segment))
                 return segment
         while len(self.segments) >= self.keep:
-            free = [i for i, (_, serving) in enumerate(self.segments) if not serving]
-            self.segments.pop(free[0] if free else 0)[0].close()
+            idle = [i for i, (segment, _) in enumerate(self.segments) if id(segment) not in self.busy]
+            if not idle:
+                break
+            free = [i for i in idle if not self.segments[i][1]]
+            self.segments.pop(free[0] if free else idle[0])[0].close()
         segment = SharedSegment(directory, size)
         self.segments.append((segment, set()))
+        self.busy.add(id(segment))
         return segment
 
     def committed(self, segment: SharedSegment, names: set[str]) -> None:
         """`names` now serve from `segment`, and from no other object."""
-        for other, serving in self.segments:
-            if other is segment:
-                serving.clear()
-                serving.update(names)
-            else:
-                serving.difference_update(names)
+        with self.lock:
+            self.busy.discard(id(segment))
+            for other, serving in self.segments:
+                if other is segment:
+                    serving.clear()
+                    serving.update(names)
+                else:
+                    serving.difference_update(names)
 
     def unknown(self, segment: SharedSegment, names: set[str]) -> None:
         """A push of `names` from `segment` failed: they may serve from it, or still from the others."""
-        for other, serving in self.segments:
-            if other is segment:
-                serving.update(names)
+        with self.lock:
+            self.busy.discard(id(segment))
+            for other, serving in self.segments:
+                if other is segment:
+                    serving.update(names)
 
     def close(self) -> None:
-        for segment, _ in self.segments:
-            segment.close()
-        self.segments.clear()
+        with self.lock:
+            for segment, _ in self.segments:
+                segment.close()
+            self.segments.clear()
+            self.busy.clear()
 
 
 def shared_size(tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -393,18 +456,21 @@ class WeightPusher:
         directory = Path(self.offer.shared_memory_dir or "/dev/shm")
         tensors = prepared(state_dict, dtype)
         size = shared_size(tensors)
+        names = {name for name, _ in tensors}
         try:
             if not self._shared.segments:
                 await asyncio.to_thread(sweep_leftovers, directory)
             segment = await asyncio.to_thread(self._shared.take, directory, size)
-            entries = await asyncio.to_thread(segment.write, tensors)
         except OSError as err:  # no room (two objects of the weights' size are needed), no such directory
             raise TransportUnavailable(f"cannot write shared memory in {directory}: {err}") from None
-        request = policy_pb2.CommitWeightsRequest(
-            model=self.model, version=version, transport=SHARED_MEMORY, shared_memory_name=segment.path.name,
-            shared_memory_bytes=segment.size, tensors=entries, shared_memory_handover=True)
-        names = {name for name, _ in tensors}
         try:
+            try:
+                entries = await asyncio.to_thread(segment.write, tensors)
+            except OSError as err:
+                raise TransportUnavailable(f"cannot write shared memory in {directory}: {err}") from None
+            request = policy_pb2.CommitWeightsRequest(
+                model=self.model, version=version, transport=SHARED_MEMORY, shared_memory_name=segment.path.name,
+                shared_memory_bytes=segment.size, tensors=entries, shared_memory_handover=True)
             reply = await self._commit(request)
         except BaseException:
             self._shared.unknown(segment, names)

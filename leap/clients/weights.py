@@ -27,9 +27,11 @@ from typing import Any
 import torch
 
 try:  # ISA-L's CRC-32 (same polynomial as zlib's) is several times faster where installed
-    from isal.isal_zlib import crc32
+    from isal.isal_zlib import crc32, crc32_combine
 except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
     from zlib import crc32
+
+    crc32_combine = None  # Python's zlib does not expose it: checksums are then taken in one piece
 
 from leap.common.v1 import common_pb2
 from leap.policy.v1 import policy_pb2
