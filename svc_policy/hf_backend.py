@@ -125,7 +125,7 @@ class HFEngine(Engine):
         )
         self._specs = {name: TensorSpec(t.dtype, tuple(t.shape)) for name, t in self.model.state_dict().items()}
         # A LoRA adapter merged on the fly (svc_policy.lora): its tensors join the specs.
-        self.adapter = ServedAdapter(self.model, lora) if lora is not None else None
+        self.adapter = ServedAdapter.of_model(self.model, lora) if lora is not None else None
         if self.adapter is not None:
             self._specs.update(self.adapter.specs())
         # Where each state-dict name lives, so an adopted tensor can replace it (tied names

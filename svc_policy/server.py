@@ -171,7 +171,8 @@ def create_engine(backend: int, path: str, device: str, dtype: str, version: int
     if backend == Backend.BACKEND_VLLM:
         from svc_policy.vllm_backend import VllmEngine
 
-        return VllmEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version, config=config)
+        return VllmEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version, config=config,
+                          lora=lora)
     from svc_policy.hf_backend import HFEngine
 
     return HFEngine(path, device=device, dtype=dtype, limits=config.limits(), version=version, lora=lora)
@@ -245,9 +246,6 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             except ValueError as err:
                 raise invalid_argument("lora", str(err)) from None
         backend = backend or BACKEND_NAMES.get(self.config.backend, Backend.BACKEND_HF)
-        if shape is not None and backend == Backend.BACKEND_VLLM:
-            raise failed_precondition("LoRA adapters are served by the hf backend only for now (vLLM's LoRA API is not "
-                                      "wired in); load with backend BACKEND_HF", "LORA_UNSUPPORTED_BY_BACKEND")
         if name in self.models or name in self._loading:
             raise error_info(grpc.StatusCode.ALREADY_EXISTS, f"model {name!r} is already loaded; unload it first",
                              "MODEL_ALREADY_LOADED", model=name)

@@ -41,6 +41,7 @@ from leap.tokenization import tokenizer_fingerprint
 from svc_policy import sampling
 from svc_policy.engine import Engine, FinishReason, Job, Limits, ModelMeta, Result, Sample, TensorSpec, Unsupported
 from svc_policy.hf_backend import resolve_dtype
+from svc_policy.lora import ServedAdapter, adapted_weights
 from svc_policy.text import completion_text, eos_token_ids
 
 log = get_logger("leap.policy.vllm")
@@ -68,6 +69,19 @@ def checkpoint_specs(path: Path, served: torch.dtype) -> dict[str, TensorSpec]:
     return specs
 
 
+def base_weights(path: Path, paths: list[str], served: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights of the layers at `paths` ("<path>.weight"), at the served dtype."""
+    from safetensors import safe_open
+
+    wanted, found = {f"{p}.weight": p for p in paths}, {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name in wanted:
+                    found[wanted[name]] = handle.get_tensor(name).to(served)
+    return found
+
+
 @dataclasses.dataclass
 class _Pending:
     sample: Sample
@@ -93,7 +107,7 @@ class VllmEngine(Engine):
     backend = "vllm"
 
     def __init__(self, path: str | Path, device: str = "auto", dtype: str = "auto", limits: Limits = Limits(),
-                 version: int = 0, config=None):
+                 version: int = 0, config=None, lora=None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoConfig, AutoTokenizer
         from vllm import LLM
@@ -116,6 +130,13 @@ class VllmEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         self._specs = checkpoint_specs(path, self.dtype)
+        # A LoRA adapter merged on the fly (svc_policy.lora), as on the hf backend: the base
+        # weights of the adapted layers are kept here, and a push's merged layers are
+        # reloaded into vLLM with the rest of the update.
+        self.adapter = None
+        if lora is not None:
+            self.adapter = ServedAdapter(base_weights(path, adapted_weights(self._specs, lora.targets), self.dtype), lora)
+            self._specs.update(self.adapter.specs())
         text_config = hf_config.get_text_config()
         self.eos_ids = frozenset(eos_token_ids(self.tokenizer, hf_config))
         self.meta = ModelMeta(
@@ -282,7 +303,8 @@ class VllmEngine(Engine):
                 raise ValueError(f"version {job.version} does not exceed the serving version {self.version}")
             # vLLM's in-place reload: checkpoint names, re-run of the post-load processing
             # (fused projections, CPU weight packing) layer by layer.
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(job.tensors.items()),
+            tensors = self.adapter.apply(job.tensors) if self.adapter is not None else job.tensors
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items()),
                                                               "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
             self.version = job.version

@@ -6,6 +6,7 @@ environment exists."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -39,19 +40,17 @@ def vllm_missing() -> str:
     return ""
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tiny_model_dir, tmp_path_factory):
-    reason = vllm_missing()
-    if reason:
-        pytest.skip(reason)
+@contextlib.contextmanager
+def vllm_serving(log_dir, *args: str):
+    """`leap serve policy --backend vllm ARGS` in the vLLM environment; yields its address."""
     from leap.commands.health import check
 
     port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm") / "policy.log"
+    log_path = log_dir / "policy.log"
     log = open(log_path, "wb")
     process = subprocess.Popen(
         [VLLM_PYTHON, "-m", "leap", "serve", "policy", "--port", str(port), "--backend", "vllm",
-         "--models", f"policy={tiny_model_dir}", "--vllm-enforce-eager", "true", "--vllm-kv-cache-gb", "1"],
+         "--vllm-enforce-eager", "true", "--vllm-kv-cache-gb", "1", *args],
         cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"127.0.0.1:{port}"
     try:
@@ -72,6 +71,15 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    reason = vllm_missing()
+    if reason:
+        pytest.skip(reason)
+    with vllm_serving(tmp_path_factory.mktemp("vllm"), "--models", f"policy={tiny_model_dir}") as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
 def stub(vllm_server):
     channel = grpc.insecure_channel(vllm_server)
     yield policy_pb2_grpc.PolicyServiceStub(channel)
@@ -87,10 +95,10 @@ def hf_stub(tiny_model_dir):
         channel.close()
 
 
-def request(**sampling) -> policy_pb2.GenerateRequest:
+def request(model: str = "policy", **sampling) -> policy_pb2.GenerateRequest:
     tasks = [t for t in task_suite() if t.split == "train"][:3]
     sampling = {"n": 2, "seed": 5, "max_new_tokens": 300, **sampling}
-    return policy_pb2.GenerateRequest(model="policy", sampling=policy_pb2.SamplingParams(**sampling), prompts=[
+    return policy_pb2.GenerateRequest(model=model, sampling=policy_pb2.SamplingParams(**sampling), prompts=[
         policy_pb2.Prompt(chat=policy_pb2.ChatPrompt(messages=prompts.first_turn(t))) for t in tasks])
 
 
@@ -165,3 +173,41 @@ def test_vllm_updates_in_place_and_refuses_broken_streams(stub, tiny_model_dir):
     assert after.weight_version == 1 and tokens(after) != tokens(before)
     push_weights_blocking(stub, "policy", 2, weights)  # and back: the prefix cache was reset, outputs restored
     assert tokens(stub.Generate(request(), timeout=300)) == tokens(before)
+
+
+def test_vllm_serves_a_lora_adapter_pushed_alone_as_the_hf_backend_does(vllm_server, hf_stub, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from leap.common.v1 import common_pb2
+    from svc_policy.lora import adapted_modules, adapter_names
+
+    channel = grpc.insecure_channel(vllm_server)
+    stub = policy_pb2_grpc.PolicyServiceStub(channel)
+    lora = common_pb2.LoraConfig(rank=4, alpha=8.0)
+    info = stub.LoadModel(policy_pb2.LoadModelRequest(name="adapted", path=str(tiny_model_dir), lora=lora,
+                                                      backend=policy_pb2.Backend.BACKEND_VLLM), timeout=600).model
+    assert info.backend == policy_pb2.Backend.BACKEND_VLLM and info.lora.rank == 4 and info.lora.alpha == 8.0
+    hf_stub.LoadModel(policy_pb2.LoadModelRequest(name="adapted", path=str(tiny_model_dir), lora=lora), timeout=60)
+    before = stub.Generate(request("adapted"), timeout=300)
+    assert tokens(before) == tokens(stub.Generate(request(), timeout=300))  # a fresh adapter is zero: the base model
+
+    # An adapter alone (PEFT's names), pushed to both backends.
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    generator = torch.Generator().manual_seed(1)
+    adapter = {}
+    for path, layer in adapted_modules(model, tuple(info.lora.target_modules)).items():
+        a_name, b_name = adapter_names(path)
+        adapter[a_name] = 0.3 * torch.randn(4, layer.in_features, generator=generator)
+        adapter[b_name] = 0.3 * torch.randn(layer.out_features, 4, generator=generator)
+    assert push_weights_blocking(stub, "adapted", 1, adapter).version == 1
+    assert push_weights_blocking(hf_stub, "adapted", 1, adapter).version == 1
+    after = stub.Generate(request("adapted"), timeout=300)
+    assert after.weight_version == 1 and tokens(after) != tokens(before)
+    own = stub.Score(policy_pb2.ScoreRequest(model="adapted", items=score_items(after)), timeout=300).results
+    hf = hf_stub.Score(policy_pb2.ScoreRequest(model="adapted", items=score_items(after)), timeout=300).results
+    for c, a, b in zip(after.completions, own, hf):
+        np.testing.assert_allclose(c.logprobs, a.logprobs, atol=1e-3)  # vLLM's decode and prefill: 1.1e-4 seen
+        np.testing.assert_allclose(c.logprobs, b.logprobs, atol=1e-3)  # the same merged weights on both engines
+    for target in (stub, hf_stub):
+        target.UnloadModel(policy_pb2.UnloadModelRequest(name="adapted"), timeout=120)
+    channel.close()

@@ -1233,8 +1233,8 @@ class LoadModelRequest(_message.Message):
         save_merged is ignored), zero at load, so the model first serves its base weights.
         Weight updates may then carry the adapter's tensors alone, under their PEFT names
         ("base_model.model.<module>.lora_A.weight", "...lora_B.weight"): the service serves the
-        base weights plus (alpha / rank) * B A, merged into the layers. The hf backend only (vllm:
-        FAILED_PRECONDITION). Default: no adapter.
+        base weights plus (alpha / rank) * B A, merged into the layers (the vllm backend reloads
+        the merged layers into vLLM with each push). Default: no adapter.
         """
 
     def __init__(
