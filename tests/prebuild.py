@@ -110,7 +110,12 @@ def _wait(name: str, config: pytest.Config | None) -> None:
     child, result, log, started = _PENDING.pop(name)
     if child.poll() is None:
         _say(config, f"waiting for {name} (building for {time.monotonic() - started:.0f} s) ...")
-    code = child.wait()
+    try:
+        code = child.wait()
+    except BaseException:  # an interrupt while waiting: the build goes with the session
+        child.terminate()
+        child.wait()
+        raise
     if code == 0:
         _RESULTS[name] = (True, pickle.loads(result.read_bytes()))
         _say(config, f"{name} ready after {time.monotonic() - started:.0f} s")
