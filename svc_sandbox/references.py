@@ -158,8 +158,8 @@ class ReferenceStore:
         return self._cached(self._probes, key, compute, lambda value: value is not None)
 
     def pace(self, key: Hashable) -> float | None:
-        """The reference's steady seconds per call on a task (key: the task and its sizes),
-        as the first evaluation of it in this process measured; None before that."""
+        """The reference's seconds per call on a task (key: the task, its sizes and the
+        clock), as the first timed evaluation of it in this process measured; None before."""
         with self._lock:
             return self._paces.get(key)
 

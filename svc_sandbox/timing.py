@@ -52,10 +52,10 @@ def calls_per_run(seconds_per_call: float, target_seconds: float, most: int, slo
 
 def paced_calls(reference_per_call: float, target_seconds: float, most: int, slower_per_call: float,
                 longest_seconds: float) -> int:
-    """Calls in one timed run of a task whose reference's steady cost per call is known (its
-    *pace*): enough for the reference's run to last about `target_seconds`, rounded down to
-    a power of two, within [1, most], and the candidate's (`slower_per_call`, its slowest
-    measured) at most `longest_seconds`.
+    """Calls in one timed run of a task whose reference's cost per call is known (its
+    *pace*, measured once per task before its first timed runs): enough for the reference's
+    run to last about `target_seconds`, rounded down to a power of two, within [1, most],
+    and the candidate's (`slower_per_call`, its slowest measured) at most `longest_seconds`.
 
     Sized from the measured runs of each evaluation instead (`calls_per_run`), one honest
     relu solution got 6 to 128 calls a run: the warm-up's first runs have one or a few cold

@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import secrets
-import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
@@ -481,22 +480,32 @@ class Measurement:
         source, key = self.source, (self.source.pace_key, options.clock)
         pace = source.paces.pace(key) if source.paces is not None and source.pace_key is not None else None
         longest = options.run_timeout / 4  # the slower side's run keeps well inside its own time limit
-        if pace is not None:
-            # A task timed before: its calls per run are fixed (timing.paced_calls); the
-            # candidate's correctness trials bound its first run, its warm-ups the others.
-            calls = warmed = timing.paced_calls(pace, options.run_seconds, self.layout.slots, self.trial_seconds,
-                                                longest)
-            for warmup in range(options.warmup_runs):
-                pair = self._pair(warmup, calls)
-                calls = min(calls, timing.paced_calls(pace, options.run_seconds, self.layout.slots,
-                                                      pair.candidate_seconds, longest))
-        else:
-            calls, warmed = 1, 1
-            for warmup in range(options.warmup_runs):  # untimed for the verdict, checked like any run
-                pair = self._pair(warmup, calls)
-                warmed = max(warmed, calls)
-                faster, slower = sorted((pair.reference_seconds, pair.candidate_seconds))
-                calls = timing.calls_per_run(faster, options.run_seconds, self.layout.slots, slower, longest)
+        if pace is None:
+            # The task's first timed evaluation in this service: runs of 1, 4, 16, ... calls
+            # (checked like any run, untimed for the verdict) until, at 4 calls or more, the
+            # reference's lasts half the target, or the slots run out, or the candidate's
+            # would pass its bound; the reference's seconds a call there are the task's pace.
+            calls, number = 1, 0
+            while True:
+                pair = self._pair(number, calls)
+                number += 1
+                grown = min(self.layout.slots, calls * 4)
+                if ((calls >= 4 and calls * pair.reference_seconds >= options.run_seconds / 2) or grown == calls
+                        or grown * pair.candidate_seconds > longest):
+                    break
+                calls = grown
+            # a run's first calls are cold: the faster of two runs of the last size is the pace
+            pace = min(pair.reference_seconds, self._pair(number, calls).reference_seconds)
+            if source.paces is not None and source.pace_key is not None:
+                source.paces.record_pace(key, pace)
+                pace = source.paces.pace(key) or pace  # another evaluation may have recorded it first
+        # Every evaluation of a task runs the same calls (timing.paced_calls): the candidate's
+        # correctness trials bound its first run, its warm-ups the others.
+        calls = warmed = timing.paced_calls(pace, options.run_seconds, self.layout.slots, self.trial_seconds, longest)
+        for warmup in range(options.warmup_runs):
+            pair = self._pair(warmup, calls)
+            calls = min(calls, timing.paced_calls(pace, options.run_seconds, self.layout.slots,
+                                                  pair.candidate_seconds, longest))
         if options.warmup_runs and calls > warmed:
             # Slots no run has touched yet would cost each process its first-touch page faults
             # inside its first timed run (measured: the first pair's candidate 28 us against 16).
@@ -511,8 +520,6 @@ class Measurement:
             if timing.should_stop(len(pairs), width, min_pairs=options.min_pairs, max_pairs=options.max_pairs,
                                   target_width=options.interval_width, elapsed=time.monotonic() - started,
                                   budget_seconds=options.budget_seconds, block=timing.block_size(options.alternate)):
-                if pace is None and source.paces is not None and source.pace_key is not None:
-                    source.paces.record_pace(key, statistics.median(p.reference_seconds for p in pairs))
                 return pairs
 
     def _pair(self, number: int, calls: int) -> Pair:

@@ -36,15 +36,15 @@ def test_each_timed_run_has_its_own_time_limit(tmp_path):
 
 
 def test_a_task_timed_before_keeps_its_calls_per_run(tmp_path):
-    # The first timed evaluation of a task measures its reference's pace; every later one runs
-    # the same power of two of calls a run, whatever its own warm-up runs measured (sized from
+    # The first timed evaluation of a task measures its reference's pace before its timed
+    # runs; every evaluation runs the same power of two of calls a run, whatever its own warm-up runs measured (sized from
     # them, one honest relu solution got 6 to 128). A candidate too slow for that count in its
     # correctness trials gets fewer (the run keeps inside its time limit).
     slow = relu("    usleep(20000);\n" + RELU_LOOP, prelude="#include <unistd.h>\n")
     with running_sandbox(tmp_path, workers=1) as sandbox:
         verdicts = [sandbox.evaluate("relu", relu(RELU_LOOP)) for _ in range(4)]
         assert all(v.stage == Stage.STAGE_PASSED for v in verdicts), [describe(v) for v in verdicts]
-        (calls,) = {v.calls_per_run for v in verdicts[1:]}
+        (calls,) = {v.calls_per_run for v in verdicts}  # the first too: it measured the pace before its runs
         assert calls > 1 and calls & (calls - 1) == 0, calls
         slower = sandbox.evaluate("relu", slow, stage_timeout_seconds=0.4, timing_trials=2, warmup_runs=1)
         assert slower.stage == Stage.STAGE_PASSED, describe(slower)
