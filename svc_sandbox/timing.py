@@ -36,17 +36,11 @@ import statistics
 from collections.abc import Sequence
 
 
-def calls_per_run(seconds_per_call: float, target_seconds: float, most: int, slower_per_call: float = 0.0,
-                  longest_seconds: float = math.inf) -> int:
-    """Calls in one timed run so that the faster side's run lasts about `target_seconds` (the
-    fixed cost of starting and stopping a run, tens of microseconds, then hardly counts),
-    within [1, most], and the slower side's (`slower_per_call` each) at most `longest_seconds`."""
-    if seconds_per_call <= 0:
-        calls = most
-    else:
-        calls = math.ceil(target_seconds / seconds_per_call)
-    if slower_per_call > 0 and math.isfinite(longest_seconds):
-        calls = min(calls, math.floor(longest_seconds / slower_per_call))
+def calls_per_run(seconds_per_call: float, target_seconds: float, most: int) -> int:
+    """Calls in one timed run so that a run of calls at `seconds_per_call` lasts about
+    `target_seconds` (the fixed cost of starting and stopping a run, tens of microseconds, then
+    hardly counts), within [1, most]."""
+    calls = most if seconds_per_call <= 0 else math.ceil(target_seconds / seconds_per_call)
     return max(1, min(most, calls))
 
 

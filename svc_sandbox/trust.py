@@ -500,16 +500,14 @@ class Measurement:
                 source.paces.record_pace(key, pace)
                 pace = source.paces.pace(key) or pace  # another evaluation may have recorded it first
         # Every evaluation of a task runs the same calls (timing.paced_calls): the candidate's
-        # correctness trials bound its first run, its warm-ups the others.
-        calls = warmed = timing.paced_calls(pace, options.run_seconds, self.layout.slots, self.trial_seconds, longest)
+        # correctness trials bound its first run, its warm-ups the others. The warm-ups run at
+        # that count, so every slot a timed run uses has been touched (an untouched slot costs
+        # each process its first-touch page faults: the first pair's candidate 28 us against 16).
+        calls = timing.paced_calls(pace, options.run_seconds, self.layout.slots, self.trial_seconds, longest)
         for warmup in range(options.warmup_runs):
             pair = self._pair(warmup, calls)
             calls = min(calls, timing.paced_calls(pace, options.run_seconds, self.layout.slots,
                                                   pair.candidate_seconds, longest))
-        if options.warmup_runs and calls > warmed:
-            # Slots no run has touched yet would cost each process its first-touch page faults
-            # inside its first timed run (measured: the first pair's candidate 28 us against 16).
-            self._pair(options.warmup_runs, calls)
         self.verdict.calls_per_run = calls
         pairs: list[Pair] = []
         started = time.monotonic()

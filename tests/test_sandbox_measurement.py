@@ -35,7 +35,7 @@ def test_each_timed_run_has_its_own_time_limit(tmp_path):
         assert late.stage == Stage.STAGE_RUN and "TIMEOUT" in flags(late), describe(late)
 
 
-def test_a_task_timed_before_keeps_its_calls_per_run(tmp_path):
+def test_every_evaluation_of_a_task_runs_the_same_calls_per_run(tmp_path):
     # The first timed evaluation of a task measures its reference's pace before its timed
     # runs; every evaluation runs the same power of two of calls a run, whatever its own warm-up runs measured (sized from
     # them, one honest relu solution got 6 to 128). A candidate too slow for that count in its
