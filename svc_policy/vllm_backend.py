@@ -125,18 +125,19 @@ class VllmEngine(Engine):
         else:
             kwargs["gpu_memory_utilization"] = float(getattr(config, "vllm_gpu_memory_utilization", 0.85))
             kwargs["tensor_parallel_size"] = int(getattr(config, "vllm_tensor_parallel_size", 1))
-        self.llm = LLM(**kwargs)
-        self.engine = self.llm.llm_engine
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         self._specs = checkpoint_specs(path, self.dtype)
         # A LoRA adapter merged on the fly (svc_policy.lora), as on the hf backend: the base
         # weights of the adapted layers are kept here, and a push's merged layers are
-        # reloaded into vLLM with the rest of the update.
+        # reloaded into vLLM with the rest of the update. Made before vLLM starts, so an
+        # adapter that names no layer of the model fails at once.
         self.adapter = None
         if lora is not None:
             self.adapter = ServedAdapter(base_weights(path, adapted_weights(self._specs, lora.targets), self.dtype), lora)
             self._specs.update(self.adapter.specs())
+        self.llm = LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         text_config = hf_config.get_text_config()
         self.eos_ids = frozenset(eos_token_ids(self.tokenizer, hf_config))
         self.meta = ModelMeta(
