@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from leap.commands.demo import DEMO_TRAIN_TASKS_MEASURED
 from tests.conftest import BOOTSTRAP_CACHE, ROOT, subprocess_env, task_suite
 
 # Whole stacks in subprocesses: minutes on 2 cores, more on a busy machine. The subprocess
@@ -31,6 +32,7 @@ def leap(*args: str, timeout: float = 1500, env: dict[str, str] | None = None) -
 @pytest.mark.parametrize("args, words", [
     (["demo", "--steps", "0"], "--steps must be at least 1"),
     (["demo", "--group-size", "1"], "--group-size must be at least 2"),
+    (["demo", "--train-tasks-measured", "-1"], "--train-tasks-measured must be at least 0"),
     (["demo", "--model", "/no/such/model"], "--model: '/no/such/model' is not a directory"),
     (["demo", "--report-to", "mlflow,neptune"], "unknown tracker 'neptune': must be one of mlflow, wandb, trackio"),
     (["dcp-experiment", "--modes", "leap,fast"], "--modes: choose from leap, multiturn, single"),
@@ -80,7 +82,7 @@ def test_the_demo_trains_and_reports_before_and_after(tiny_model_dir, tmp_path, 
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/sandbox/evaluations")] == [1]
     # the training-task evaluation measured the demo's fixed sample of them, and every
     # evaluation left its per-task figures for the paired changes the report prints
-    assert report["train_tasks"]["after"]["samples"] == report["task_counts"]["train_tasks"] == 48
+    assert report["train_tasks"]["after"]["samples"] == report["task_counts"]["train_tasks"] == DEMO_TRAIN_TASKS_MEASURED
     assert report["held_out"]["after"]["samples"] == report["task_counts"]["held_out"] == 39
     assert len(list((run_dir / "evals").glob("step-*.json"))) == 2 and set(report["changes"]) == {"held_out", "train_tasks"}
     assert run.data.params["group_size"] == "2" and run.info.status == "FINISHED"

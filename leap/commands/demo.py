@@ -18,12 +18,24 @@ import time
 from pathlib import Path
 
 
+DEMO_FAMILIES = "elementwise@1:980"  # the first 980 (by index) of the elementwise family's 1,016 tier-1 structures
+FAMILY_SEED = 0  # the seed of the generated tasks
+TRAIN_TASKS_MEASURED = 48  # training tasks measured on fresh samples at each evaluation (the first by id)
+# `leap demo`'s evaluation: before the first step and after the last only, on more samples of
+# each held-out task and fewer training tasks, which keeps the evaluations' cost near what
+# three evaluations of 8 samples on 48 training tasks cost, while the paired standard error of
+# the held-out change, almost all of it the sampling noise of 8 samples a task, falls by
+# about sqrt(3).
+DEMO_EVAL_EVERY, DEMO_EVAL_SAMPLES, DEMO_TRAIN_TASKS_MEASURED = 20, 24, 16
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="train the tiny model with LEAP on this machine and report",
                                    description=__doc__)
     parser.add_argument("--out", default="runs/demo", help="where the model, the services' state and the run go "
                                                            "(default runs/demo)")
-    add_training_options(parser, eval_every=10)
+    add_training_options(parser, eval_every=DEMO_EVAL_EVERY, eval_samples=DEMO_EVAL_SAMPLES,
+                         train_tasks_measured=DEMO_TRAIN_TASKS_MEASURED)
     parser.add_argument("--report-to", default="", metavar="LIST",
                         help="experiment trackers that also get the run's metrics, config and plots: mlflow, wandb, "
                              "trackio, comma-separated; each is an extra (pip install 'leap-suite[mlflow]') and "
@@ -31,8 +43,10 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def add_training_options(parser, *, eval_every: int) -> None:
-    """The options `leap demo` and `leap dcp-experiment` share."""
+def add_training_options(parser, *, eval_every: int, eval_samples: int = 8,
+                         train_tasks_measured: int = TRAIN_TASKS_MEASURED) -> None:
+    """The options `leap demo` and `leap dcp-experiment` share (the evaluation's defaults are
+    each command's)."""
     parser.add_argument("--model", metavar="DIR", help="a Hugging Face model directory to train instead of the "
                                                        "bootstrapped tiny model")
     parser.add_argument("--steps", type=int, default=20, help="LEAP steps (default 20)")
@@ -41,7 +55,11 @@ def add_training_options(parser, *, eval_every: int) -> None:
     parser.add_argument("--max-turns", type=int, default=3, help="turns for expanded groups, K, and the turns of every "
                                                                 "evaluation (default 3)")
     parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
-    parser.add_argument("--eval-samples", type=int, default=8, help="samples per task at each evaluation (default 8)")
+    parser.add_argument("--eval-samples", type=int, default=eval_samples,
+                        help=f"samples per task at each evaluation (default {eval_samples})")
+    parser.add_argument("--train-tasks-measured", type=int, default=train_tasks_measured, metavar="N",
+                        help="training tasks (the first N by id) measured on fresh samples at each evaluation, beside "
+                             f"the held-out ones (default {train_tasks_measured}; 0: none)")
     parser.add_argument("--eval-every", type=int, default=eval_every,
                         help=f"evaluation every N steps (default {eval_every}; always before the first and after the last)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
@@ -68,6 +86,8 @@ def check_args(args) -> None:
     for name in ("steps", "tasks_per_step", "max_turns", "eval_samples"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.train_tasks_measured < 0:
+        raise UserError("--train-tasks-measured must be at least 0")
     if args.group_size < 2:
         raise UserError("--group-size must be at least 2: rank rewards compare rollouts within a group")
     if args.learning_rate <= 0:
@@ -78,11 +98,6 @@ def check_args(args) -> None:
 
         if problem := check_model_dir(args.model):
             raise UserError(f"--model: {problem}")
-
-
-DEMO_FAMILIES = "elementwise@1:980"  # the first 980 (by index) of the elementwise family's 1,016 tier-1 structures
-FAMILY_SEED = 0  # the seed of the generated tasks
-TRAIN_TASKS_MEASURED = 48  # training tasks measured on fresh samples at each evaluation (the first by id)
 
 
 def experiment_tasks(task_families: str) -> list:
@@ -202,7 +217,7 @@ def bootstrap(directory: Path, toolchain: int, tasks: list, quiet: bool) -> Path
 
 def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int, tasks: list) -> dict:
     """The LEAP run on the training split of `tasks`, measured by the trainer itself before the first step, every eval_every steps and after the last: the
-    held-out split, and the first TRAIN_TASKS_MEASURED training tasks on fresh samples."""
+    held-out split, and the first --train-tasks-measured training tasks on fresh samples."""
     train_ids, held_out_ids = split_ids(tasks)
     from leap.clients import connect
     from leap.common.v1 import common_pb2
@@ -213,8 +228,8 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
     config = trainer_pb2.RunConfig(
         model_path=str(model.resolve()), steps=args.steps, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, max_turns=args.max_turns, toolchain=toolchain, seed=args.seed,
-        eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=True,
-        eval_train_task_count=TRAIN_TASKS_MEASURED,
+        eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=args.train_tasks_measured > 0,
+        eval_train_task_count=args.train_tasks_measured,
         train_tasks=train_ids, eval_tasks=held_out_ids,
         checkpoint_every=max(1, args.steps // 2), display_name="leap demo", report_to=getattr(args, "trackers", []),
         optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
@@ -233,7 +248,7 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
         "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": time.perf_counter() - started,
         "steps": args.steps, "turns": args.max_turns, "model": str(model),
         "speed_rank": not config.rank.HasField("speedup_margin"),
-        "task_counts": {"held_out": len(held_out_ids), "train_tasks": min(len(train_ids), TRAIN_TASKS_MEASURED),
+        "task_counts": {"held_out": len(held_out_ids), "train_tasks": min(len(train_ids), args.train_tasks_measured),
                         "trained_on": len(train_ids)},
         **{key: {"before": evals[0], "after": evals[-1]} if evals else {"before": {}, "after": {}}
            for key, evals in measured.items()},
