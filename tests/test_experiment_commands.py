@@ -114,6 +114,37 @@ def test_the_dcp_experiment_compares_modes_in_a_table_and_a_plot(tiny_model_dir,
     assert over["seeds"] == [5, 6] and over["runs"]["single"]["evaluations"]["n"] == 2
     assert "| single |" in (tmp_path / "report.md").read_text() and "over 2 seeds" in done.stdout
 
+    # The same command again finds both seeds' runs finished with these settings: it reads their
+    # events back (no stack starts) and writes the same figures; a third seed would be the one run.
+    reports = {seed: (tmp_path / f"seed-{seed}" / "report.json").read_text() for seed in (5, 6)}
+    again = leap("dcp-experiment", "--task-families", "none", "--out", str(tmp_path), "--modes", "single",
+                 "--seeds", "2", "--seed", "5", *SMALL, env={"LEAP_CACHE_DIR": str(BOOTSTRAP_CACHE.parent)})
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("finished before with these settings") == 2
+    assert {seed: (tmp_path / f"seed-{seed}" / "report.json").read_text() for seed in (5, 6)} == reports
+
+
+def test_a_finished_mode_is_reused_only_with_the_settings_it_ran_with(tmp_path):
+    from leap.commands.dcp_experiment import finished_events, finished_stamp
+    from leap.trainer.v1 import trainer_pb2
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "bootstrap.json").write_text(json.dumps({"key": "abc"}))
+    config = trainer_pb2.RunConfig(steps=20, seed=1, tasks_per_step=8)
+    stamp = finished_stamp(config, "elementwise@1:980", model)
+    record = tmp_path / "events.json"
+    assert finished_events(record, stamp) is None  # nothing ran yet
+    record.write_text(json.dumps({"stamp": stamp, "events": [{"step": 20, "kind": "eval"}]}))
+    assert finished_events(record, stamp) == [{"step": 20, "kind": "eval"}]
+    for changed in (finished_stamp(trainer_pb2.RunConfig(steps=20, seed=2, tasks_per_step=8), "elementwise@1:980", model),
+                    finished_stamp(config, "elementwise@1:500", model)):
+        assert finished_events(record, changed) is None
+    (model / "bootstrap.json").write_text(json.dumps({"key": "rebuilt"}))
+    assert finished_events(record, finished_stamp(config, "elementwise@1:980", model)) is None
+    record.write_text("[]")  # an events.json from before the stamp: run again
+    assert finished_events(record, stamp) is None
+
 
 @pytest.mark.slow
 def test_expand_compress_trains_teachers_distils_a_student_and_measures_all(tiny_model_dir, tmp_path):

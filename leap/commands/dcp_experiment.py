@@ -8,7 +8,9 @@ evaluations and the wall-clock seconds each mode spent, and how much less LEAP s
 multiturn to reach the same accuracy on the training tasks at the last turn (the lower of
 the two modes' final ones). Every mode runs once per seed (`--seeds`, default 3); with more
 than one, the top report gives each figure's mean and standard error over the seeds and says,
-claim by claim, on how many seeds the paper's claims held.
+claim by claim, on how many seeds the paper's claims held. A mode that finished before in the
+same --out with the same settings, tasks and model is read back rather than run again, so an
+experiment that stopped goes on from its first unfinished mode.
 
 The tasks are `leap demo`'s (`--task-families`, default the elementwise family's tier 1): the
 model is warm-started on the training split, every mode trains on it and is measured on the
@@ -81,7 +83,7 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
     from google.protobuf import json_format
 
     from leap.clients import connect
-    from leap.commands.demo import families_env, rank_config, split_ids
+    from leap.commands.demo import families_env, rank_config, say, split_ids
     from leap.common.v1 import common_pb2
     from leap.experiments.runs import run_to_end
     from leap.experiments.stack import experiment_stack
@@ -97,6 +99,11 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
         display_name=f"dcp {mode}",
         checkpoint_every=args.steps, optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
         rank=rank_config(args.speed_rank, toolchain))
+    record, stamp = work / "events.json", finished_stamp(config, args.task_families, model)
+    if (events := finished_events(record, stamp)) is not None:
+        say(f"{mode}, seed {seed}: finished before with these settings; its events are read back from {record} "
+            "(delete the directory to run it again)")
+        return events
     with experiment_stack(work, model, extra_env=families_env(args.task_families)) as stack:
         trainer = connect("trainer", stack.addresses["trainer"], aio=False)
         try:
@@ -108,8 +115,38 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
     for event in events:
         event.setdefault("values", {})
         event["step"] = int(event.get("step", 0))
-    (work / "events.json").write_text(json.dumps(events) + "\n")
+    record.write_text(json.dumps({"stamp": stamp, "events": events}) + "\n")
     return events
+
+
+def finished_stamp(config, task_families: str, model: Path) -> dict:
+    """What decides a mode's run: its RunConfig, the generated tasks and the model (a
+    bootstrapped one by its cache key, another by its files' sizes and times)."""
+    from google.protobuf import json_format
+
+    from leap.bootstrap import MANIFEST
+
+    manifest = model / MANIFEST
+    if manifest.is_file():
+        weights = json.loads(manifest.read_text()).get("key")
+    else:
+        weights = sorted((str(f.relative_to(model)), f.stat().st_size, f.stat().st_mtime_ns)
+                         for f in model.rglob("*") if f.is_file())
+    return {"config": json_format.MessageToDict(config, preserving_proto_field_name=True),
+            "task_families": task_families, "model": json.loads(json.dumps(weights))}
+
+
+def finished_events(record: Path, stamp: dict) -> list[dict] | None:
+    """A finished run's events when `record` holds one made with `stamp`, else None: an
+    experiment that stopped picks up at its first unfinished mode, and seeds add up over
+    separate invocations with the same --out."""
+    try:
+        saved = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("stamp") != stamp or not isinstance(saved.get("events"), list):
+        return None
+    return saved["events"]
 
 
 def report(args, runs: dict[str, list[dict]], out: Path, seed: int) -> dict:
