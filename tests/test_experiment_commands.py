@@ -173,3 +173,20 @@ def test_expand_compress_trains_teachers_distils_a_student_and_measures_all(tiny
     assert [line.split(":")[0] for line in over["claims"]] == [
         "- the student-no-gating student beats its strongest teacher on the training tasks (fresh samples)",
         "- the student-no-gating student beats its strongest teacher on the held-out tasks"]
+
+
+@pytest.mark.parametrize("command, measured, train_tasks", [
+    (["demo"], DEMO_TRAIN_TASKS_MEASURED, True),
+    (["dcp-experiment"], 48, True),
+    (["demo", "--train-tasks-measured", "0"], 0, False),  # the training tasks left out of every evaluation
+    (["dcp-experiment", "--train-tasks-measured", "5", "--eval-every", "4"], 5, True),
+])
+def test_the_commands_give_the_trainer_the_evaluation_they_were_asked_for(command, measured, train_tasks):
+    from leap.cli import build_parser
+    from leap.commands.demo import evaluation_fields
+    from leap.trainer.v1 import trainer_pb2
+
+    args = build_parser().parse_args(command)
+    config = trainer_pb2.RunConfig(**evaluation_fields(args))  # the fields are RunConfig's own
+    assert (config.eval_train_tasks, config.eval_train_task_count) == (train_tasks, measured)
+    assert config.eval_every == args.eval_every and config.eval_samples == args.eval_samples

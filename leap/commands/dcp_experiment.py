@@ -83,7 +83,7 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
     from google.protobuf import json_format
 
     from leap.clients import connect
-    from leap.commands.demo import families_env, rank_config, say, split_ids
+    from leap.commands.demo import evaluation_fields, families_env, rank_config, say, split_ids
     from leap.common.v1 import common_pb2
     from leap.experiments.runs import run_to_end
     from leap.experiments.stack import experiment_stack
@@ -94,8 +94,7 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
         model_path=str(model.resolve()), steps=args.steps, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, mode=trainer_pb2.TrainMode.Value(MODES[mode]),
         max_turns=1 if mode == "single" else args.max_turns, eval_turns=args.max_turns, toolchain=toolchain,
-        seed=seed, eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=args.train_tasks_measured > 0,
-        eval_train_task_count=args.train_tasks_measured, train_tasks=train_ids, eval_tasks=held_out_ids,
+        seed=seed, **evaluation_fields(args), train_tasks=train_ids, eval_tasks=held_out_ids,
         display_name=f"dcp {mode}",
         checkpoint_every=args.steps, optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
         rank=rank_config(args.speed_rank, toolchain))

@@ -215,6 +215,14 @@ def bootstrap(directory: Path, toolchain: int, tasks: list, quiet: bool) -> Path
                            progress=not quiet)
 
 
+def evaluation_fields(args) -> dict:
+    """The RunConfig fields of the evaluations `leap demo` and `leap dcp-experiment` run (before
+    the first step, every --eval-every steps and after the last; --train-tasks-measured 0 leaves
+    the training tasks out)."""
+    return {"eval_every": args.eval_every, "eval_samples": args.eval_samples,
+            "eval_train_tasks": args.train_tasks_measured > 0, "eval_train_task_count": args.train_tasks_measured}
+
+
 def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: int, tasks: list) -> dict:
     """The LEAP run on the training split of `tasks`, measured by the trainer itself before the first step, every eval_every steps and after the last: the
     held-out split, and the first --train-tasks-measured training tasks on fresh samples."""
@@ -228,9 +236,7 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
     config = trainer_pb2.RunConfig(
         model_path=str(model.resolve()), steps=args.steps, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, max_turns=args.max_turns, toolchain=toolchain, seed=args.seed,
-        eval_every=args.eval_every, eval_samples=args.eval_samples, eval_train_tasks=args.train_tasks_measured > 0,
-        eval_train_task_count=args.train_tasks_measured,
-        train_tasks=train_ids, eval_tasks=held_out_ids,
+        **evaluation_fields(args), train_tasks=train_ids, eval_tasks=held_out_ids,
         checkpoint_every=max(1, args.steps // 2), display_name="leap demo", report_to=getattr(args, "trackers", []),
         optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
         rank=rank_config(args.speed_rank, toolchain))
