@@ -174,6 +174,17 @@ def test_expand_compress_trains_teachers_distils_a_student_and_measures_all(tiny
         "- the student-no-gating student beats its strongest teacher on the training tasks (fresh samples)",
         "- the student-no-gating student beats its strongest teacher on the held-out tasks"]
 
+    # Again with one more seed: the two finished seeds are read back, only seed 2 would run;
+    # with --seeds 2 nothing runs and the top report is the same.
+    report = (tmp_path / "report.json").read_text()
+    again = leap("expand-compress", "--model", str(tiny_model_dir), "--task-families", "none", "--out", str(tmp_path),
+                 "--rounds", "1", "--steps-per-round", "1", "--distill-steps", "1", "--ablations", "no-gating",
+                 "--tasks-per-step", "2", "--group-size", "2", "--max-turns", "2", "--eval-samples", "2", "--seeds", "2",
+                 "--train-tasks", "12", "--quiet")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("finished before with these settings") == 2 and "starting the services" not in again.stdout
+    assert (tmp_path / "report.json").read_text() == report
+
 
 @pytest.mark.parametrize("command, measured, train_tasks", [
     (["demo"], DEMO_TRAIN_TASKS_MEASURED, True),

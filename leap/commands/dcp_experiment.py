@@ -85,6 +85,7 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
     from leap.clients import connect
     from leap.commands.demo import evaluation_fields, families_env, rank_config, say, split_ids
     from leap.common.v1 import common_pb2
+    from leap.experiments.resume import save_finished
     from leap.experiments.runs import run_to_end
     from leap.experiments.stack import experiment_stack
     from leap.trainer.v1 import trainer_pb2
@@ -114,38 +115,27 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
     for event in events:
         event.setdefault("values", {})
         event["step"] = int(event.get("step", 0))
-    record.write_text(json.dumps({"stamp": stamp, "events": events}) + "\n")
+    save_finished(record, stamp, "events", events)
     return events
 
 
 def finished_stamp(config, task_families: str, model: Path) -> dict:
-    """What decides a mode's run: its RunConfig, the generated tasks and the model (a
-    bootstrapped one by its cache key, another by its files' sizes and times)."""
+    """What decides a mode's run: its RunConfig, the generated tasks and the model."""
     from google.protobuf import json_format
 
-    from leap.bootstrap import MANIFEST
+    from leap.experiments.resume import model_stamp
 
-    manifest = model / MANIFEST
-    if manifest.is_file():
-        weights = json.loads(manifest.read_text()).get("key")
-    else:
-        weights = sorted((str(f.relative_to(model)), f.stat().st_size, f.stat().st_mtime_ns)
-                         for f in model.rglob("*") if f.is_file())
     return {"config": json_format.MessageToDict(config, preserving_proto_field_name=True),
-            "task_families": task_families, "model": json.loads(json.dumps(weights))}
+            "task_families": task_families, "model": model_stamp(model)}
 
 
 def finished_events(record: Path, stamp: dict) -> list[dict] | None:
     """A finished run's events when `record` holds one made with `stamp`, else None: an
-    experiment that stopped picks up at its first unfinished mode, and seeds add up over
-    separate invocations with the same --out."""
-    try:
-        saved = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict) or saved.get("stamp") != stamp or not isinstance(saved.get("events"), list):
-        return None
-    return saved["events"]
+    experiment that stopped picks up at its first unfinished mode."""
+    from leap.experiments.resume import finished
+
+    events = finished(record, stamp, "events")
+    return events if isinstance(events, list) else None
 
 
 def report(args, runs: dict[str, list[dict]], out: Path, seed: int) -> dict:

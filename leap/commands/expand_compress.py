@@ -15,7 +15,9 @@ The seed paper reports the student beating its strongest teacher by 2.0%, 8.3% a
 (relative) on math, code and instruction following; this command reports what this machine
 gives, whichever way it goes. The whole experiment runs once per seed (`--seeds`, default 3,
 each on a fresh stack under OUT/seed-N); the top report gives every pass@1 as mean ± standard
-error over the seeds and says on how many seeds each student beat its strongest teacher."""
+error over the seeds and says on how many seeds each student beat its strongest teacher. A seed
+that finished before in the same --out with the same settings and model is read back rather
+than run again."""
 
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ def run(args, _extra) -> int:
     from leap.cli import UserError
     from leap.commands.demo import bootstrap, demo_toolchain, families_env, say
     from leap.experiments.compare import seed_dir
+    from leap.experiments.resume import finished, save_finished
     from leap.experiments.runs import RunFailed
     from leap.experiments.stack import experiment_stack
 
@@ -96,19 +99,39 @@ def run(args, _extra) -> int:
     per_seed = []
     for seed in seeds:
         work, this = seed_dir(out, seed, len(seeds)), argparse.Namespace(**{**vars(args), "seed": seed})
-        say(f"\n== seed {seed}: starting the services (logs in {work / 'stack' / 'logs'}) ...")
-        try:
-            with experiment_stack(work / "stack", model, extra_env=families_env(args.task_families)) as stack:
-                union = train_teachers(this, stack.addresses, model, toolchain)
-                students = {name: distil(this, stack.addresses, model, toolchain, union, name) for name in ablations}
-                results = measure_all(this, stack.addresses, model, toolchain, union, students)
-        except (RunFailed, RuntimeError, TimeoutError) as err:
-            raise UserError(f"seed {seed}: {err}") from None
+        record, stamp = work / "finished.json", seed_stamp(this, ablations, model)
+        results = finished(record, stamp, "results")
+        if results is not None:
+            say(f"\n== seed {seed}: finished before with these settings; its results are read back from {record} "
+                "(delete the directory to run it again)")
+        else:
+            say(f"\n== seed {seed}: starting the services (logs in {work / 'stack' / 'logs'}) ...")
+            try:
+                with experiment_stack(work / "stack", model, extra_env=families_env(args.task_families)) as stack:
+                    union = train_teachers(this, stack.addresses, model, toolchain)
+                    students = {name: distil(this, stack.addresses, model, toolchain, union, name)
+                                for name in ablations}
+                    results = measure_all(this, stack.addresses, model, toolchain, union, students)
+            except (RunFailed, RuntimeError, TimeoutError) as err:
+                raise UserError(f"seed {seed}: {err}") from None
+            save_finished(record, stamp, "results", results)
         report(this, results, work)
         per_seed.append(results)
     if len(seeds) > 1:
         report_seeds(args, seeds, per_seed, out)
     return 0
+
+
+SETTINGS = ("rounds", "steps_per_round", "distill_steps", "tasks_per_step", "group_size", "max_turns", "learning_rate",
+            "eval_samples", "train_tasks", "task_families", "seed")
+
+
+def seed_stamp(args, ablations: list[str], model: Path) -> dict:
+    """What decides one seed's results: the settings, the students and the initial model."""
+    from leap.experiments.resume import model_stamp
+
+    return {"settings": {name: getattr(args, name) for name in SETTINGS}, "ablations": ablations,
+            "model": model_stamp(model)}
 
 
 def train_teachers(args, addresses: dict[str, str], model: Path, toolchain: int):
