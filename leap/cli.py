@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from leap import __version__
@@ -32,13 +33,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if extra and not getattr(args, "accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    terminated = []
+    if args.command != "serve":  # a service stops on SIGTERM its own way (drain, then grace)
+        signal.signal(signal.SIGTERM, lambda *_: (terminated.append(True), _interrupt()))
     try:
         return int(args.func(args, extra) or 0)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stack a command started is stopped on the way out
+        return 143 if terminated else 130
     except UserError as err:  # a person typed something wrong: one friendly line, no traceback
         print(f"leap {args.command}: {err}", file=sys.stderr)
         return 2
+
+
+def _interrupt():
+    """SIGTERM as Ctrl-C: the command unwinds, so every service it started is stopped (the
+    default action would end this process alone and leave them running)."""
+    raise KeyboardInterrupt
 
 
 class UserError(Exception):

@@ -51,6 +51,15 @@ class LocalStack:
         return {name: child.address for name, child in self.children.items()}
 
     def start(self, timeout: float = 300.0) -> LocalStack:
+        """Start every service and wait until each is SERVING; whatever stops this part way (a
+        service that exits, the timeout, Ctrl-C or SIGTERM) stops the ones already started."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> LocalStack:
         log_dir = Path(self.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         for name in self.services:
@@ -79,7 +88,6 @@ class LocalStack:
         while pending:
             for name, child in list(pending.items()):
                 if child.process.poll() is not None:
-                    self.stop()
                     raise RuntimeError(
                         f"{name} exited with code {child.process.returncode} before serving; "
                         f"last lines of {child.log_path}:\n{child.log_tail()}"
@@ -87,7 +95,6 @@ class LocalStack:
                 if check(child.address, timeout=1.0) == "SERVING":
                     del pending[name]
             if pending and time.monotonic() > deadline:
-                self.stop()
                 raise TimeoutError(f"not SERVING after {timeout:.0f} s: {', '.join(pending)}")
             if pending:
                 time.sleep(0.2)

@@ -143,3 +143,45 @@ def test_eval_takes_a_directory_in_kernelbenchs_layout_and_names_an_unserved_fam
     refused = leap("eval", "--model", str(tiny_model_dir), "--family", "stencils", "--out", str(tmp_path / "o2"),
                    *SMALL)
     assert refused.returncode == 2 and "not a family this service serves" in refused.stderr, refused.stderr
+
+
+def processes_with(text: str) -> list[int]:
+    """Pids of this user's processes whose environment mentions `text` (a stack's work dir)."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_stack_a_command_started(tiny_model_dir, tmp_path):
+    # `timeout`, a batch scheduler or `kill` ends a command with SIGTERM: the services it
+    # started (children in sessions of their own) must go with it, as they do on Ctrl-C.
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "leap", "eval", "--model", str(tiny_model_dir), "--task-families",
+                                "rows:60", "--family", "rows", "--split", "heldout", "--samples", "64",
+                                "--out", str(tmp_path), "--quiet"],
+                               cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stack = str(tmp_path / "stack")
+    deadline = time.monotonic() + 600
+    while len(processes_with(stack)) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)  # the policy and the sandbox are starting (their environment names the stack)
+    assert process.poll() is None, process.communicate()[0].decode()[-3000:]
+    assert len(processes_with(stack)) >= 2
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=300)[0].decode()
+    assert process.returncode == 143, output[-3000:]
+    deadline = time.monotonic() + 60
+    while processes_with(stack) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_with(stack) == [], output[-3000:]

@@ -3,7 +3,6 @@ check is SERVING, print where each listens, and stop them all on Ctrl-C."""
 
 from __future__ import annotations
 
-import signal
 import time
 
 from leap.runtime.config import SERVICES
@@ -42,7 +41,6 @@ def run(args, _extra) -> int:
         if args.check:
             return 0
         print("stack is up; press Ctrl-C to stop it", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         while all(child.process.poll() is None for child in stack.children.values()):
             time.sleep(0.5)
         dead = [c for c in stack.children.values() if c.process.poll() is not None]
