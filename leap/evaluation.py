@@ -139,6 +139,7 @@ class EvalReport:
     outcomes: dict[str, list[list[Outcome]]]  # task -> sample -> turn
     turns: int
     evaluations: int = 0  # sandbox evaluations spent
+    timed: bool = True  # whether the sandbox timed correct answers (EvaluateOptions.timing)
 
     def pass_rates(self, turn: int = 1) -> dict[str, float]:
         """Per task, the share of its samples solved by `turn`."""
@@ -151,7 +152,8 @@ class EvalReport:
     def summary(self) -> dict:
         """What papers report, by turn: pass@1 with its standard error over tasks (the samples
         of one task are not independent, the tasks are), pass@k, fast_p for p in FAST_P, and
-        the geometric-mean speedup of correct answers."""
+        the geometric-mean speedup of correct answers (untimed: fast_0 alone, the share correct,
+        and no speedup)."""
         samples = [o for task in self.task_ids for o in self.outcomes[task]]
         per_task = list(self.pass_rates_by_turn().values())
         pass_k = pass_at_k_by_turn([self.outcomes[t] for t in self.task_ids], self.turns)
@@ -164,8 +166,9 @@ class EvalReport:
             "pass_at_1": pass_1,
             "pass_at_1_se": standard_errors_by_turn(per_task, self.turns),
             "pass_at_k": pass_k,
-            "fast_p": {f"{p:g}": fast_p_by_turn(samples, p, self.turns) for p in FAST_P},
-            "geomean_speedup_of_correct": geomean_speedup_of_correct(samples),
+            "timed": self.timed,
+            "fast_p": {f"{p:g}": fast_p_by_turn(samples, p, self.turns) for p in FAST_P if self.timed or p == 0},
+            "geomean_speedup_of_correct": geomean_speedup_of_correct(samples) if self.timed else None,
             "per_task_pass_at_1": {task: rates[-1] for task, rates in zip(self.task_ids, per_task)},
         }
 
@@ -174,7 +177,8 @@ class EvalReport:
         values = by_turn("pass_at_1", pass_at_1_by_turn(samples, self.turns))
         values |= by_turn("pass_at_1_se", standard_errors_by_turn(list(self.pass_rates_by_turn().values()), self.turns))
         values |= by_turn("pass_at_k", pass_at_k_by_turn([self.outcomes[t] for t in self.task_ids], self.turns))
-        values["speedup/mean_correct"] = mean_speedup_of_correct(samples)
+        if self.timed:
+            values["speedup/mean_correct"] = mean_speedup_of_correct(samples)
         values["samples"] = float(len(samples))
         values["sandbox/evaluations"] = float(self.evaluations)
         return values
@@ -211,4 +215,5 @@ async def evaluate(policy, sandbox, tokenizer, *, model: str, tasks: Sequence[sa
 
     played = await asyncio.gather(*(one(task) for task in tasks))
     outcomes = {task.id: [e.outcomes() for e in episodes] for task, episodes in zip(tasks, played)}
-    return EvalReport([t.id for t in tasks], outcomes, turns, rollouts.evaluations - before)
+    timed = not rollouts.options.HasField("timing") or rollouts.options.timing
+    return EvalReport([t.id for t in tasks], outcomes, turns, rollouts.evaluations - before, timed)

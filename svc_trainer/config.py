@@ -92,6 +92,11 @@ def with_defaults(config: trainer_pb2.RunConfig, services: trainer_pb2.ServiceAd
     return out
 
 
+def timed(config: trainer_pb2.RunConfig) -> bool:
+    """Whether the run's sandbox evaluations time correct answers (sandbox_timing, default true)."""
+    return config.sandbox_timing if config.HasField("sandbox_timing") else True
+
+
 def total_steps(config: trainer_pb2.RunConfig) -> int:
     """Optimizer steps of the whole run (every RGRPO round); `config` has its defaults."""
     return config.rgrpo.rounds * config.rgrpo.steps_per_round if config.rgrpo.rounds else config.steps
@@ -131,6 +136,12 @@ def violations(config: trainer_pb2.RunConfig, prefix: str = "config.") -> Violat
     check(finite(loss.kl_beta) and loss.kl_beta >= 0, "loss.kl_beta", f"must be a finite number >= 0, got {loss.kl_beta!r}")
     gate_violations(config.gate, prefix + "gate.", v)
     rank_violations(config.rank, prefix + "rank.", v)
+    if not timed(config):
+        check(config.rank.method != reward_pb2.RewardMethod.REWARD_METHOD_LOG_SPEEDUP, "rank.method",
+              "REWARD_METHOD_LOG_SPEEDUP rewards speed, which sandbox_timing false leaves unmeasured: "
+              "time the candidates or choose another method")
+        check(not config.gate.improve_below_speedup > 0, "gate.improve_below_speedup",
+              "compares speedups, which sandbox_timing false leaves unmeasured: leave it 0 or time the candidates")
     check(loss.aggregation in LossAggregation.values(), "loss.aggregation", f"unknown aggregation {loss.aggregation}")
     if config.mode == TrainMode.TRAIN_MODE_MULTITURN:
         check(config.gate.mode in (0, GateMode.GATE_MODE_EXPAND_ALL), "gate.mode",

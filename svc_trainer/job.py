@@ -56,6 +56,7 @@ from leap.trainer.v1 import trainer_pb2
 from leap.union import UNION_FILE, Teacher, TeacherUnion, toolchain_name
 from svc_trainer import batch as batching
 from svc_trainer import rgrpo
+from svc_trainer.config import timed
 from svc_trainer.losses import SEQ_MEAN_TOKEN_MEAN, TOKEN_MEAN, GrpoLossConfig, GrpoObjective
 from svc_trainer.metrics import rollout_metrics, zero_spread_share
 
@@ -623,6 +624,8 @@ class TrainingJob:
 
     def rollouts(self, services: Services, learner: Learner, info: policy_pb2.ModelInfo) -> Rollouts:
         options = sandbox_pb2.EvaluateOptions(size=self.config.sandbox_size)
+        if not timed(self.config):
+            options.timing = False  # correctness only: no speedup, no timing flag
         return Rollouts(Endpoints(services.policy, services.sandbox, services.addresses.policy, services.addresses.sandbox),
                         learner.tokenizer, model=self.config.policy_model, toolchain=self.config.toolchain,
                         sampling=self.config.sampling, options=options, max_context_tokens=info.max_context_tokens,
@@ -661,7 +664,7 @@ class TrainingJob:
         rollout_seconds = time.perf_counter() - started
         self.log_rollouts(ctx, step, groups, ranked)
         values = rollout_metrics([e.outcomes() for g in groups for e in g.episodes], [g.expanded for g in groups],
-                                 self.config.max_turns)
+                                 self.config.max_turns, timed(self.config))
         values["sandbox/evaluations"] = float(rollouts.evaluations - evaluations)
         values["sandbox/evaluations_saved"] = float(gate.evaluations_saved())
         values.update(self.reward_stats(ranked))

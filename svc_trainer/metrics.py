@@ -13,13 +13,15 @@ def expanded_share(expanded: Sequence[bool]) -> float:
     return sum(expanded) / len(expanded) if expanded else 0.0
 
 
-def rollout_metrics(trajectories: Sequence[Sequence[Outcome]], expanded: Sequence[bool], turns: int) -> dict[str, float]:
+def rollout_metrics(trajectories: Sequence[Sequence[Outcome]], expanded: Sequence[bool], turns: int,
+                    timed: bool = True) -> dict[str, float]:
     """pass@1 by turn over the step's trajectories, the mean speedup of their correct
-    answers (flagged ones left out), the expanded share of groups and the flagged verdicts.
-    (The job counts the step's sandbox evaluations itself: an empty answer is judged without
-    one.)"""
+    answers (flagged ones left out; none when the run's verdicts are not `timed`), the
+    expanded share of groups and the flagged verdicts. (The job counts the step's sandbox
+    evaluations itself: an empty answer is judged without one.)"""
     values = by_turn("pass_at_1", pass_at_1_by_turn(trajectories, turns))
-    values["speedup/mean_correct"] = mean_speedup_of_correct(trajectories)
+    if timed:
+        values["speedup/mean_correct"] = mean_speedup_of_correct(trajectories)
     values["expanded_share"] = expanded_share(expanded)
     values.update(flagged_counts(trajectories))
     return values

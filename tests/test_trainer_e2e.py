@@ -138,6 +138,29 @@ def test_one_step_changes_the_weights_advances_the_version_and_raises_the_advant
     assert mean[+1] - mean[-1] > 0  # positive tokens gained on negative ones
 
 
+def test_an_untimed_run_judges_correctness_only_and_reports_no_speed(services, tiny_model_dir, tmp_path):
+    # sandbox_timing false: every verdict of the rollouts and of the evaluations is untimed
+    # (no speedup, no interval, no timing flag), and no metric reports a speed.
+    with leap_serve("trainer", *trainer_flags(tmp_path / "runs", services)) as (address, _):
+        trainer = connect("trainer", address, aio=False)
+        run = start(trainer, small_config(tiny_model_dir, sandbox_timing=False))
+        events = follow(trainer, run.run_id)
+        done = trainer.GetRun(trainer_pb2.GetRunRequest(run_id=run.run_id)).run
+    assert done.state == SUCCEEDED, done.error
+    assert [e.kind for e in events if e.kind in ("train", "eval")] == ["eval", "train", "eval"]
+    for event in events:
+        assert not any(name.startswith("speedup/") for name in event.values), (event.kind, dict(event.values))
+    turns = [turn for line in (Path(done.output_dir) / "rollouts" / "step-00000001.jsonl").open()
+             for turn in json.loads(line)["turns"]]
+    assert turns and any(turn["stage"] == "STAGE_PASSED" for turn in turns)  # the tiny model solves some
+    for turn in turns:
+        assert turn["speedup"] == 0.0 and turn["speedup_interval"] == [0.0, 0.0], turn["verdict"]
+        assert not {"TIMING_UNRELIABLE", "SUSPICIOUS_SPEEDUP", "RETIMED"} & set(turn["flags"])
+        if turn["stage"] == "STAGE_PASSED":
+            assert "the reference" not in turn["verdict"]  # no "1.09x the reference"
+    assert events[-1].values.get("sandbox/flagged_unreliable", 0.0) == 0.0
+
+
 def checkpoint_state(run_dir: Path, step: int) -> tuple[dict, dict]:
     path = run_dir / "checkpoints" / f"step-{step:08d}"
     weights = load_file(path / "model" / "model.safetensors")

@@ -64,6 +64,10 @@ def test_a_missing_model_directory_is_refused(trainer, tmp_path):
     (dict(flagged_verdicts=7), "config.flagged_verdicts", "unknown value 7"),
     (dict(report_to=["tensorboard"]), "config.report_to[0]", "must be one of mlflow, wandb, trackio"),
     (dict(report_to=["mlflow", "mlflow"]), "config.report_to[1]", "twice"),
+    # a reward that needs speedups from a run that asks for none
+    (dict(sandbox_timing=False, rank={"method": "REWARD_METHOD_LOG_SPEEDUP"}), "config.rank.method", "unmeasured"),
+    (dict(sandbox_timing=False, gate={"improve_below_speedup": 1.5}), "config.gate.improve_below_speedup",
+     "unmeasured"),
 ])
 def test_bad_fields_are_refused_with_the_field_named(trainer, model_dir, change, field, words):
     config = trainer_pb2.RunConfig(model_path=str(model_dir), **{"steps": 2, **change})

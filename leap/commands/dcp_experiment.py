@@ -83,7 +83,7 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
     from google.protobuf import json_format
 
     from leap.clients import connect
-    from leap.commands.demo import evaluation_fields, families_env, rank_config, say, split_ids
+    from leap.commands.demo import evaluation_fields, families_env, say, speed_fields, split_ids
     from leap.common.v1 import common_pb2
     from leap.experiments.resume import save_finished
     from leap.experiments.runs import run_to_end
@@ -98,7 +98,7 @@ def train_mode(args, mode: str, model: Path, toolchain: int, work: Path, seed: i
         seed=seed, **evaluation_fields(args), train_tasks=train_ids, eval_tasks=held_out_ids,
         display_name=f"dcp {mode}",
         checkpoint_every=args.steps, optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
-        rank=rank_config(args.speed_rank, toolchain))
+        **speed_fields(args.speed_rank, toolchain))
     record, stamp = work / "events.json", finished_stamp(config, args.task_families, model)
     if (events := finished_events(record, stamp)) is not None:
         say(f"{mode}, seed {seed}: finished before with these settings; its events are read back from {record} "

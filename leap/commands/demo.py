@@ -68,7 +68,8 @@ def add_training_options(parser, *, eval_every: int, eval_samples: int = 8,
                         help="whether the rank reward breaks ties between solved rollouts by their measured speed: "
                              "auto (the default) is on with the cuda toolchain and off with the cpu one, where "
                              "timings on a shared CPU are the one input that differs between two runs of the same "
-                             "command; off, the same command gives the same pass rates every time on one machine")
+                             "command; off, the sandbox times nothing (about half its work; no speedups are "
+                             "reported) and the same command gives the same pass rates every time on one machine")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -163,14 +164,18 @@ def run(args, _extra) -> int:
 NO_SPEED_MARGIN = 1e12
 
 
-def rank_config(speed_rank: str, toolchain: int):
-    """The runs' RankConfig for a `--speed-rank` value: the service's defaults, or with speed
-    left out of the tie-break."""
+def speed_fields(speed_rank: str, toolchain: int) -> dict:
+    """The RunConfig fields for a `--speed-rank` value: on, the rank service's defaults and
+    timed verdicts; off, speed left out of the tie-break and the sandbox not asked to time
+    anything (about half its work on the cpu toolchain, and the one input that differed
+    between two runs)."""
     from leap.common.v1 import common_pb2
     from leap.reward.v1 import reward_pb2
 
     on = speed_rank == "on" or (speed_rank == "auto" and toolchain == common_pb2.Toolchain.TOOLCHAIN_CUDA)
-    return reward_pb2.RankConfig() if on else reward_pb2.RankConfig(speedup_margin=NO_SPEED_MARGIN)
+    if on:
+        return {"rank": reward_pb2.RankConfig(), "sandbox_timing": True}
+    return {"rank": reward_pb2.RankConfig(speedup_margin=NO_SPEED_MARGIN), "sandbox_timing": False}
 
 
 def trackers(report_to: str) -> list[str]:
@@ -239,7 +244,7 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
         **evaluation_fields(args), train_tasks=train_ids, eval_tasks=held_out_ids,
         checkpoint_every=max(1, args.steps // 2), display_name="leap demo", report_to=getattr(args, "trackers", []),
         optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
-        rank=rank_config(args.speed_rank, toolchain))
+        **speed_fields(args.speed_rank, toolchain))
     trainer = connect("trainer", addresses["trainer"], aio=False)
     started = time.perf_counter()
     try:
@@ -253,7 +258,7 @@ def train_and_measure(args, addresses: dict[str, str], model: Path, toolchain: i
     return {
         "run_id": finished.run.run_id, "output_dir": finished.run.output_dir, "seconds": time.perf_counter() - started,
         "steps": args.steps, "turns": args.max_turns, "model": str(model),
-        "speed_rank": not config.rank.HasField("speedup_margin"),
+        "speed_rank": config.sandbox_timing,
         "task_counts": {"held_out": len(held_out_ids), "train_tasks": min(len(train_ids), args.train_tasks_measured),
                         "trained_on": len(train_ids)},
         **{key: {"before": evals[0], "after": evals[-1]} if evals else {"before": {}, "after": {}}
@@ -300,8 +305,9 @@ def format_report(report: dict) -> str:
         name = f"pass_at_k/turn_{turns}"
         lines.append(f"  pass@k by turn {turns:<17}{before[name]:>8.3f}{'':7}{after[name]:>8.3f}{'':7}"
                      f"{after[name] - before[name]:>+9.3f}")
-        s0, s1 = before["speedup/mean_correct"], after["speedup/mean_correct"]
-        lines.append(f"  mean speedup of correct answers {s0:>7.2f}x{'':7}{s1:>7.2f}x")
+        if "speedup/mean_correct" in before and "speedup/mean_correct" in after:  # a timed run
+            s0, s1 = before["speedup/mean_correct"], after["speedup/mean_correct"]
+            lines.append(f"  mean speedup of correct answers {s0:>7.2f}x{'':7}{s1:>7.2f}x")
     lines += ["", f"sandbox evaluations spent by training: {report['sandbox_evaluations']:,.0f} "
                   f"(DCP saved up to {report['sandbox_evaluations_saved']:,.0f} against expanding every failing group)",
               f"groups expanded to debugging turns: {report['expanded_share']:.0%} on average",

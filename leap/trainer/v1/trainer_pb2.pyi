@@ -266,6 +266,7 @@ class RunConfig(_message.Message):
     REPORT_TO_FIELD_NUMBER: _builtins.int
     FLAGGED_VERDICTS_FIELD_NUMBER: _builtins.int
     EVAL_TRAIN_TASK_COUNT_FIELD_NUMBER: _builtins.int
+    SANDBOX_TIMING_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Local Hugging Face model directory of the initial policy. Required."""
     policy_model: _builtins.str
@@ -327,6 +328,15 @@ class RunConfig(_message.Message):
     eval_train_task_count: _builtins.int
     """With eval_train_tasks: measure at most this many training tasks (the first by id) at each
     evaluation, so a large training set costs a fixed sample of it. 0 (the default): all.
+    """
+    sandbox_timing: _builtins.bool
+    """Whether the sandbox times every correct answer against the reference, in rollouts and
+    evaluations alike. Default true. Timing is about half of a sandbox evaluation's work on
+    the cpu toolchain, and the one input that differs between two runs of the same config on
+    a shared CPU. False: verdicts carry no speedup and no timing flag, so the rank reward's
+    speed tie-break sees every solved rollout tie on speed, and evaluations report pass rates
+    without a speedup. A config whose reward needs speed (rank.method
+    REWARD_METHOD_LOG_SPEEDUP, gate.improve_below_speedup above 0) is refused with it false.
     """
     @_builtins.property
     def services(self) -> Global___ServiceAddresses:
@@ -415,14 +425,20 @@ class RunConfig(_message.Message):
         report_to: _abc.Iterable[_builtins.str] | None = ...,
         flagged_verdicts: Global___FlaggedVerdicts.ValueType = ...,
         eval_train_task_count: _builtins.int = ...,
+        sandbox_timing: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "gate", b"gate", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "services", b"services"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "_sandbox_timing", b"_sandbox_timing", "gate", b"gate", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "optimizer", b"optimizer", "rank", b"rank", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_timing", b"sandbox_timing", "services", b"services"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_task_count", b"eval_train_task_count", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap", "_sandbox_timing", b"_sandbox_timing", "checkpoint_every", b"checkpoint_every", "display_name", b"display_name", "eval_every", b"eval_every", "eval_samples", b"eval_samples", "eval_tasks", b"eval_tasks", "eval_train_task_count", b"eval_train_task_count", "eval_train_tasks", b"eval_train_tasks", "eval_turns", b"eval_turns", "flagged_verdicts", b"flagged_verdicts", "gate", b"gate", "group_size", b"group_size", "importance_cap", b"importance_cap", "lora", b"lora", "loss", b"loss", "max_staleness", b"max_staleness", "max_turns", b"max_turns", "mode", b"mode", "model_path", b"model_path", "optimizer", b"optimizer", "output_dir", b"output_dir", "policy_model", b"policy_model", "rank", b"rank", "report_to", b"report_to", "rgrpo", b"rgrpo", "sampling", b"sampling", "sandbox_size", b"sandbox_size", "sandbox_timing", b"sandbox_timing", "seed", b"seed", "services", b"services", "steps", b"steps", "tasks_per_step", b"tasks_per_step", "toolchain", b"toolchain", "train_tasks", b"train_tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__importance_cap: _TypeAlias = _typing.Literal["importance_cap"]  # noqa: Y015
     _WhichOneofArgType__importance_cap: _TypeAlias = _typing.Literal["_importance_cap", b"_importance_cap"]  # noqa: Y015
+    _WhichOneofReturnType__sandbox_timing: _TypeAlias = _typing.Literal["sandbox_timing"]  # noqa: Y015
+    _WhichOneofArgType__sandbox_timing: _TypeAlias = _typing.Literal["_sandbox_timing", b"_sandbox_timing"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__importance_cap) -> _WhichOneofReturnType__importance_cap | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sandbox_timing) -> _WhichOneofReturnType__sandbox_timing | None: ...
 
 Global___RunConfig: _TypeAlias = RunConfig  # noqa: Y015
 
