@@ -33,22 +33,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if extra and not getattr(args, "accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    terminated = []
     if args.command != "serve":  # a service stops on SIGTERM its own way (drain, then grace)
-        signal.signal(signal.SIGTERM, lambda *_: (terminated.append(True), _interrupt()))
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         return int(args.func(args, extra) or 0)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stack a command started is stopped on the way out
-        return 143 if terminated else 130
+    except Terminated:  # the stack a command started is stopped on the way out, as on Ctrl-C
+        return 143
+    except KeyboardInterrupt:
+        return 130
     except UserError as err:  # a person typed something wrong: one friendly line, no traceback
         print(f"leap {args.command}: {err}", file=sys.stderr)
         return 2
 
 
-def _interrupt():
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C is: whatever stops on Ctrl-C stops on it too."""
+
+
+def _terminated(*_) -> None:
     """SIGTERM as Ctrl-C: the command unwinds, so every service it started is stopped (the
     default action would end this process alone and leave them running)."""
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 class UserError(Exception):

@@ -144,6 +144,8 @@ def test_a_finished_mode_is_reused_only_with_the_settings_it_ran_with(tmp_path):
     assert finished_events(record, finished_stamp(config, "elementwise@1:980", model)) is None
     record.write_text("[]")  # an events.json from before the stamp: run again
     assert finished_events(record, stamp) is None
+    (model / "bootstrap.json").write_text("{not json")  # a damaged manifest: the files identify the model
+    assert finished_stamp(config, "elementwise@1:980", model)["model"][0][0] == "bootstrap.json"
 
 
 @pytest.mark.slow

@@ -20,9 +20,12 @@ def model_stamp(model: Path) -> object:
     covers its tasks, config, code and libraries), else every file's size and modification time."""
     from leap.bootstrap import MANIFEST
 
-    manifest = model / MANIFEST
-    if manifest.is_file():
-        return json.loads(manifest.read_text()).get("key")
+    try:
+        key = json.loads((model / MANIFEST).read_text()).get("key")
+    except (OSError, ValueError, AttributeError):  # none, or not a bootstrap manifest
+        key = None
+    if key:
+        return key
     return [[str(f.relative_to(model)), f.stat().st_size, f.stat().st_mtime_ns]
             for f in sorted(model.rglob("*")) if f.is_file()]
 
