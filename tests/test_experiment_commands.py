@@ -203,3 +203,26 @@ def test_the_commands_give_the_trainer_the_evaluation_they_were_asked_for(comman
     config = trainer_pb2.RunConfig(**evaluation_fields(args))  # the fields are RunConfig's own
     assert (config.eval_train_tasks, config.eval_train_task_count) == (train_tasks, measured)
     assert config.eval_every == args.eval_every and config.eval_samples == args.eval_samples
+
+
+@pytest.mark.parametrize("flags, toolchain, timed", [
+    ([], "TOOLCHAIN_CPU", False),  # auto: speed does not rank on a shared cpu, so nothing is timed
+    ([], "TOOLCHAIN_CUDA", True),
+    (["--speed-rank", "on"], "TOOLCHAIN_CPU", True),
+    (["--speed-rank", "off"], "TOOLCHAIN_CUDA", False),
+])
+def test_expand_compress_times_its_teachers_verdicts_only_where_speed_ranks(flags, toolchain, timed, tiny_model_dir):
+    from svc_trainer.config import violations
+
+    from leap.cli import build_parser
+    from leap.commands.demo import NO_SPEED_MARGIN
+    from leap.commands.expand_compress import check_args, rgrpo_config
+    from leap.common.v1 import common_pb2
+
+    args = build_parser().parse_args(["expand-compress", "--task-families", "none", *flags])
+    check_args(args)
+    config = rgrpo_config(args, tiny_model_dir, common_pb2.Toolchain.Value(toolchain))
+    assert config.HasField("sandbox_timing") and config.sandbox_timing is timed
+    assert (config.rank.speedup_margin == NO_SPEED_MARGIN) is not timed  # untimed: solved rollouts tie on speed
+    assert config.rgrpo.rounds == args.rounds and list(config.train_tasks) == args.train_ids
+    assert violations(config).items == []  # the trainer takes it as it is

@@ -64,13 +64,17 @@ def add_training_options(parser, *, eval_every: int, eval_samples: int = 8,
                         help=f"evaluation every N steps (default {eval_every}; always before the first and after the last)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
     add_task_families_option(parser)
+    add_speed_rank_option(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_speed_rank_option(parser) -> None:
     parser.add_argument("--speed-rank", choices=("auto", "on", "off"), default="auto",
                         help="whether the rank reward breaks ties between solved rollouts by their measured speed: "
                              "auto (the default) is on with the cuda toolchain and off with the cpu one, where "
                              "timings on a shared CPU are the one input that differs between two runs of the same "
                              "command; off, the sandbox times nothing (about half its work; no speedups are "
                              "reported) and the same command gives the same pass rates every time on one machine")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def add_task_families_option(parser) -> None:

@@ -35,7 +35,7 @@ ABLATIONS = {
 
 
 def add_parser(subparsers) -> None:
-    from leap.commands.demo import add_task_families_option
+    from leap.commands.demo import add_speed_rank_option, add_task_families_option
 
     parser = subparsers.add_parser("expand-compress", help="RGRPO teachers, then TU-OPD students, measured",
                                    description=__doc__)
@@ -57,6 +57,7 @@ def add_parser(subparsers) -> None:
                                                                    "(default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of everything (default 0)")
     add_task_families_option(parser)
+    add_speed_rank_option(parser)
     parser.add_argument("--seeds", type=int, default=3, help="seeds to repeat the whole experiment with: --seed, "
                                                              "--seed + 1, ... (default 3); the report gives each "
                                                              "pass@1's mean and standard error over them")
@@ -123,7 +124,7 @@ def run(args, _extra) -> int:
 
 
 SETTINGS = ("rounds", "steps_per_round", "distill_steps", "tasks_per_step", "group_size", "max_turns", "learning_rate",
-            "eval_samples", "train_tasks", "task_families", "seed")
+            "eval_samples", "train_tasks", "task_families", "speed_rank", "seed")
 
 
 def seed_stamp(args, ablations: list[str], model: Path) -> dict:
@@ -134,22 +135,32 @@ def seed_stamp(args, ablations: list[str], model: Path) -> dict:
             "model": model_stamp(model)}
 
 
-def train_teachers(args, addresses: dict[str, str], model: Path, toolchain: int):
-    """The RGRPO run; its teacher union (as the contract's message)."""
-    from leap.clients import connect
-    from leap.commands.demo import say
+def rgrpo_config(args, model: Path, toolchain: int):
+    """The RGRPO run's RunConfig: LEAP steps in R rounds on the training tasks, speed ranked or
+    not as `--speed-rank` says (off, the cpu default, its sandbox verdicts are untimed)."""
+    from leap.commands.demo import speed_fields
     from leap.common.v1 import common_pb2
-    from leap.experiments.runs import run_to_end
     from leap.trainer.v1 import trainer_pb2
 
-    config = trainer_pb2.RunConfig(
+    return trainer_pb2.RunConfig(
         model_path=str(model), steps=args.steps_per_round, tasks_per_step=args.tasks_per_step,
         group_size=args.group_size, max_turns=args.max_turns, toolchain=toolchain, seed=args.seed,
         train_tasks=args.train_ids, eval_tasks=args.held_out_ids,
         eval_samples=args.eval_samples, checkpoint_every=args.steps_per_round, display_name="expand: RGRPO",
         optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate),
         rgrpo=trainer_pb2.RgrpoConfig(rounds=args.rounds, steps_per_round=args.steps_per_round,
-                                      eval_samples=args.eval_samples))
+                                      eval_samples=args.eval_samples),
+        **speed_fields(args.speed_rank, toolchain))
+
+
+def train_teachers(args, addresses: dict[str, str], model: Path, toolchain: int):
+    """The RGRPO run; its teacher union (as the contract's message)."""
+    from leap.clients import connect
+    from leap.commands.demo import say
+    from leap.experiments.runs import run_to_end
+    from leap.trainer.v1 import trainer_pb2
+
+    config = rgrpo_config(args, model, toolchain)
     trainer = connect("trainer", addresses["trainer"], aio=False)
     try:
         finished = run_to_end(trainer, trainer_pb2, config, "RGRPO", progress=not args.quiet,
@@ -213,8 +224,9 @@ def measure_all(args, addresses: dict[str, str], model: Path, toolchain: int, un
         tasks = get_tasks(addresses["sandbox"], args.train_ids if split == "train" else args.held_out_ids)
         say(f"measuring {len(models)} models on the {len(tasks)} {label} ({args.eval_samples} samples each) ...")
         seed = derive_seed(args.seed, "expand-compress", split)
+        # pass@1 alone is reported: the sandbox is not asked to time anything
         reports = {name: measure(addresses, name, model, tasks, toolchain=toolchain, samples=args.eval_samples, turns=1,
-                                 seed=seed) for name in models}
+                                 seed=seed, timing=False) for name in models}
         best = {t.id: max(reports[name].pass_rates()[t.id] for name in results["teachers"]) for t in tasks}
         results["sets"][split] = {
             "pass_at_1": {name: r.metrics()["pass_at_1/turn_1"] for name, r in reports.items()},

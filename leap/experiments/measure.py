@@ -44,8 +44,9 @@ def get_tasks(sandbox_address: str, task_ids: Sequence[str]) -> list[sandbox_pb2
 
 def measure(addresses: dict[str, str], model: str, tokenizer_dir, tasks: Sequence[sandbox_pb2.Task], *, toolchain: int,
             samples: int, turns: int, seed: int, max_new_tokens: int = 384, temperature: float = 1.0,
-            on_task_done: Callable[[sandbox_pb2.Task], None] | None = None) -> EvalReport:
-    """pass@1 / pass@k by turn of `model` (a name the policy serves) on `tasks`."""
+            timing: bool = True, on_task_done: Callable[[sandbox_pb2.Task], None] | None = None) -> EvalReport:
+    """pass@1 / pass@k by turn of `model` (a name the policy serves) on `tasks`; with `timing`
+    off the sandbox judges correctness only (no speedup, fast_p beyond 0 or geometric mean)."""
     tokenizer = load_tokenizer(tokenizer_dir)
     sampling = common_pb2.RolloutSampling(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens)
 
@@ -56,6 +57,7 @@ def measure(addresses: dict[str, str], model: str, tokenizer_dir, tasks: Sequenc
             info = (await policy.GetModel(policy_pb2.GetModelRequest(name=model))).model
             return await evaluate(policy, sandbox, tokenizer, model=model, tasks=tasks, toolchain=toolchain,
                                   samples=samples, turns=turns, sampling=sampling, seed=seed,
+                                  options=sandbox_pb2.EvaluateOptions(timing=timing),
                                   max_context_tokens=info.max_context_tokens, on_task_done=on_task_done)
         finally:
             await policy.channel.close()
