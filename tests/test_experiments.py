@@ -106,6 +106,21 @@ def test_figures_over_seeds_are_mean_and_standard_error_and_claims_count_the_see
     assert compare.dcp_claims([{"single": seeds[0]["single"]}], "pass_at_1/turn_2") == []  # nothing to compare
 
 
+def test_the_curve_over_seeds_is_the_mean_cost_and_accuracy_at_each_step_every_seed_evaluated(tmp_path):
+    second = [eval_event(0, 0, 0, 0.25), eval_event(5, 300, 30, 0.25), eval_event(10, 350, 40, 0.375)]
+    partial = [eval_event(0, 0, 0, 0.5), eval_event(10, 500, 60, 1.0)]  # no evaluation at step 5
+    points = compare.mean_curve([{"leap": LEAP}, {"leap": second}], "leap", "pass_at_1/turn_1")
+    assert [(p.step, p.evaluations, p.seconds, p.accuracy.mean, p.accuracy.n) for p in points] == [
+        (0, 0, 0, 0.25, 2), (5, 200, 20, 0.375, 2), (10, 250, 30, 0.5, 2)]
+    assert math.isclose(points[1].accuracy.se, 0.125) and points[0].accuracy.se == 0.0
+    assert [p.step for p in compare.mean_curve([{"leap": LEAP}, {"leap": partial}], "leap", "pass_at_1/turn_1")] == [0, 10]
+    assert compare.mean_curve([{"leap": LEAP}, {"multiturn": MULTI}], "multiturn", "pass_at_1/turn_1")[1].accuracy.n == 1
+    assert compare.mean_curve([{"leap": LEAP}], "single", "pass_at_1/turn_1") == []
+    path = compare.plot_seeds([{"leap": LEAP, "multiturn": MULTI}, {"leap": second}], ["pass_at_1/turn_1"],
+                              tmp_path / "s.png", title="t")
+    assert path.is_file() and path.stat().st_size > 1000
+
+
 def test_a_metric_a_run_never_logged_is_left_out_of_its_spread():
     assert compare.spread([0.5, math.nan, 0.25]).n == 2
     empty = compare.spread([math.nan])

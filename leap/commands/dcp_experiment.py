@@ -58,7 +58,7 @@ def run(args, _extra) -> int:
     toolchain = demo_toolchain()
     model = Path(args.model) if args.model else bootstrap(out / "model", toolchain, args.tasks, args.quiet)
     seeds = [args.seed + number for number in range(args.seeds)]
-    per_seed = []
+    per_seed, runs_by_seed = [], []
     for seed in seeds:
         work, runs = seed_dir(out, seed, len(seeds)), {}
         for mode in modes:
@@ -68,8 +68,9 @@ def run(args, _extra) -> int:
             except (RunFailed, RuntimeError, TimeoutError) as err:
                 raise UserError(f"{mode}, seed {seed}: {err}") from None
         per_seed.append(report(args, runs, work, seed))
+        runs_by_seed.append(runs)
     if len(seeds) > 1:
-        report_seeds(args, seeds, per_seed, out)
+        report_seeds(args, seeds, per_seed, out, runs_by_seed)
     return 0
 
 
@@ -181,8 +182,10 @@ def report(args, runs: dict[str, list[dict]], out: Path, seed: int) -> dict:
     return by_name
 
 
-def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> None:
-    """The figures over seeds (mean ± standard error) and whether each claim held on every seed."""
+def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path,
+                 runs_by_seed: list[dict[str, list[dict]]]) -> None:
+    """The figures over seeds (mean ± standard error), whether each claim held on every seed, and
+    the plot of the mean curves."""
     from leap.commands.demo import say
     from leap.experiments import compare
 
@@ -194,6 +197,10 @@ def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> Non
              compare.seeds_table(spreads, metrics, len(seeds)), "", "The papers' claims, seed by seed:",
              *claims, "",
              "each seed's table, plot and runs: " + ", ".join(str(compare.seed_dir(out, s, len(seeds))) for s in seeds)]
+    target_metric = metrics[len(metrics) // 2 - 1]  # as in each seed's report: the training tasks at the last turn
+    plot = compare.plot_seeds(runs_by_seed, [target_metric, metrics[-1]], out / "dcp.png",
+                              title=f"pass@1 against training cost, mean over seeds {', '.join(map(str, seeds))}")
+    lines += ["", f"plot: {plot}"]
     text = "\n".join(lines)
     (out / "report.md").write_text(text + "\n")
     (out / "report.json").write_text(json.dumps({

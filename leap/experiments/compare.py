@@ -161,6 +161,57 @@ def across_seeds(per_seed: Sequence[Mapping[str, Summary]], metrics: Sequence[st
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class MeanPoint:
+    """One evaluation step of a run, over seeds: the mean cost by then and the accuracy's spread."""
+
+    step: int
+    evaluations: float
+    seconds: float
+    accuracy: Spread
+
+
+def mean_curve(runs_by_seed: Sequence[Mapping[str, Sequence[Mapping]]], name: str, metric: str) -> list[MeanPoint]:
+    """Run `name`'s curve of `metric` over the seeds that ran it: at each evaluation step every
+    such seed logged, the mean sandbox evaluations and seconds spent by then and the accuracy as
+    mean ± standard error (a step some seed did not evaluate is left out)."""
+    curves = [{p.step: p for p in curve(runs[name], metric)} for runs in runs_by_seed if name in runs]
+    if not curves:
+        return []
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return [MeanPoint(step, sum(c[step].evaluations for c in curves) / len(curves),
+                      sum(c[step].seconds for c in curves) / len(curves),
+                      spread([c[step].accuracy for c in curves])) for step in steps]
+
+
+def plot_seeds(runs_by_seed: Sequence[Mapping[str, Sequence[Mapping]]], metrics: Sequence[str], path: str | Path,
+               title: str = "") -> Path:
+    """`plot_curves` over seeds: each run's mean curve (`mean_curve`), with the standard error
+    of each point's accuracy as an error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(name for runs in runs_by_seed for name in runs))
+    figure, axes = plt.subplots(len(metrics), 2, figsize=(11, 3.4 * len(metrics)), squeeze=False)
+    for row, metric in enumerate(metrics):
+        for column, (x, x_label) in enumerate(((lambda p: p.evaluations, "sandbox evaluations (training, mean)"),
+                                                (lambda p: p.seconds, "wall-clock seconds (training, mean)"))):
+            axis = axes[row][column]
+            for name in names:
+                points = mean_curve(runs_by_seed, name, metric)
+                seeds = max((p.accuracy.n for p in points), default=0)
+                axis.errorbar([x(p) for p in points], [p.accuracy.mean for p in points],
+                              yerr=[p.accuracy.se if p.accuracy.n > 1 else 0.0 for p in points], marker="o",
+                              markersize=3, capsize=3, label=f"{name} ({seeds} seed{'s' if seeds != 1 else ''})")
+            axis.set_xlabel(x_label)
+            axis.set_ylabel(label(metric) + " (mean ± s.e.)")
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8)
+    return save_figure(figure, path, title)
+
+
 def seeds_table(spreads: Mapping[str, Mapping[str, Spread]], metrics: Sequence[str], seeds: int) -> str:
     """A markdown table of mean ± standard error over `seeds` seeds."""
     header = ["run", *[label(m) for m in metrics], "sandbox evals", "train s", "expanded"]
