@@ -38,6 +38,7 @@ def leap(*args: str, timeout: float = 1500, env: dict[str, str] | None = None) -
     (["dcp-experiment", "--modes", "leap,fast"], "--modes: choose from leap, multiturn, single"),
     (["expand-compress", "--ablations", "crd,magic"], "--ablations: choose from crd, consensus"),
     (["expand-compress", "--rounds", "0"], "--rounds must be at least 1"),
+    (["expand-compress", "--reliability-threshold", "nan"], "--reliability-threshold must be in [0, 1], not nan"),
     (["demo", "--task-families", "elementwise@4"], "--task-families: task family entry 'elementwise@4': the tier"),
     (["dcp-experiment", "--task-families", "softmaxes"], "--task-families: unknown task family 'softmaxes'"),
     (["expand-compress", "--task-families", "elementwise@1:5"], "gives no training task or no held-out one"),
@@ -113,6 +114,7 @@ def test_the_dcp_experiment_compares_modes_in_a_table_and_a_plot(tiny_model_dir,
     over = json.loads((tmp_path / "report.json").read_text())
     assert over["seeds"] == [5, 6] and over["runs"]["single"]["evaluations"]["n"] == 2
     assert "| single |" in (tmp_path / "report.md").read_text() and "over 2 seeds" in done.stdout
+    assert (tmp_path / "dcp.png").is_file() and f"plot: {tmp_path / 'dcp.png'}" in done.stdout  # the mean curves
 
     # The same command again finds both seeds' runs finished with these settings: it reads their
     # events back (no stack starts) and writes the same figures; a third seed would be the one run.
@@ -226,3 +228,47 @@ def test_expand_compress_times_its_teachers_verdicts_only_where_speed_ranks(flag
     assert (config.rank.speedup_margin == NO_SPEED_MARGIN) is not timed  # untimed: solved rollouts tie on speed
     assert config.rgrpo.rounds == args.rounds and list(config.train_tasks) == args.train_ids
     assert violations(config).items == []  # the trainer takes it as it is
+
+
+def test_expand_compress_gives_each_student_its_ablation_and_the_threshold_asked_for(tiny_model_dir):
+    from svc_distill.config import violations
+
+    from leap.cli import build_parser
+    from leap.commands.expand_compress import check_args, distill_config
+    from leap.common.v1 import common_pb2
+
+    cpu = common_pb2.Toolchain.TOOLCHAIN_CPU
+    args = build_parser().parse_args(["expand-compress", "--task-families", "none"])
+    check_args(args)
+    crd = distill_config(args, tiny_model_dir, cpu, "/runs/union.json", "crd")
+    assert not crd.HasField("reliability_threshold")  # the distiller's default
+    assert crd.student_model == "student-crd" and crd.steps == args.distill_steps
+    assert distill_config(args, tiny_model_dir, cpu, "/runs/union.json", "no-gating").disable_reliability_gating
+    args = build_parser().parse_args(["expand-compress", "--task-families", "none", "--reliability-threshold", "0.25"])
+    check_args(args)
+    config = distill_config(args, tiny_model_dir, cpu, "/runs/union.json", "consensus")
+    assert config.reliability_threshold == 0.25 and config.objective != crd.objective
+    assert violations(config).items == []
+
+
+def test_a_run_the_service_refuses_is_a_run_failed_naming_the_field(tmp_path):
+    """What the experiment commands turn into one line (the CLI's UserError), rather than a
+    traceback of the gRPC error: a real trainer refusing a config."""
+    from leap.clients import connect
+    from leap.experiments.runs import RunFailed, run_to_end
+    from leap.trainer.v1 import trainer_pb2
+    from tests.conftest import free_port, leap_serve
+
+    dead = f"127.0.0.1:{free_port()}"
+    flags = ["--runs-dir", str(tmp_path), "--policy-address", dead, "--sandbox-address", dead,
+             "--reward-address", dead, "--preflight-timeout-seconds", "1"]
+    with leap_serve("trainer", *flags) as (address, _):
+        trainer = connect("trainer", address, aio=False)
+        try:
+            with pytest.raises(RunFailed) as caught:
+                run_to_end(trainer, trainer_pb2, trainer_pb2.RunConfig(model_path=str(tmp_path), steps=0), "LEAP",
+                           progress=False)
+        finally:
+            trainer.channel.close()
+    assert str(caught.value).startswith("LEAP: INVALID_ARGUMENT from the service: ")
+    assert "config.steps" in str(caught.value)

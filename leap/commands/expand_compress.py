@@ -50,6 +50,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--group-size", type=int, default=8, help="RGRPO rollouts per task, G (default 8)")
     parser.add_argument("--max-turns", type=int, default=3, help="RGRPO turns for expanded groups, K (default 3)")
     parser.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW learning rate of both stages (default 5e-4)")
+    parser.add_argument("--reliability-threshold", type=float, metavar="RHO",
+                        help="TU-OPD's rho: a teacher counts on a task where its pass rate is at least this "
+                             "(default: the distiller's, 0.5); where no teacher reaches it on any training task the "
+                             "gated students cannot be distilled")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per task for q and for the final "
                                                                    "measurement (default 8)")
     parser.add_argument("--train-tasks", type=int, default=64, help="training tasks (the first by id) RGRPO trains "
@@ -76,6 +80,8 @@ def check_args(args) -> list[str]:
     args.tasks = experiment_tasks(args.task_families)
     train_ids, args.held_out_ids = split_ids(args.tasks)
     args.train_ids = train_ids[:args.train_tasks]
+    if args.reliability_threshold is not None and not 0 <= args.reliability_threshold <= 1:
+        raise UserError(f"--reliability-threshold must be in [0, 1], not {args.reliability_threshold:g}")
     if args.group_size < 2:
         raise UserError("--group-size must be at least 2: rank rewards compare rollouts within a group")
     ablations = [a.strip() for a in args.ablations.split(",") if a.strip()]
@@ -114,7 +120,9 @@ def run(args, _extra) -> int:
                                 for name in ablations}
                     results = measure_all(this, stack.addresses, model, toolchain, union, students)
             except (RunFailed, RuntimeError, TimeoutError) as err:
-                raise UserError(f"seed {seed}: {err}") from None
+                hint = ("; lower --reliability-threshold, or train the teachers longer (--steps-per-round)"
+                        if "reliability_threshold" in str(err) else "")
+                raise UserError(f"seed {seed}: {err}{hint}") from None
             save_finished(record, stamp, "results", results)
         report(this, results, work)
         per_seed.append(results)
@@ -124,7 +132,7 @@ def run(args, _extra) -> int:
 
 
 SETTINGS = ("rounds", "steps_per_round", "distill_steps", "tasks_per_step", "group_size", "max_turns", "learning_rate",
-            "eval_samples", "train_tasks", "task_families", "speed_rank", "seed")
+            "reliability_threshold", "eval_samples", "train_tasks", "task_families", "speed_rank", "seed")
 
 
 def seed_stamp(args, ablations: list[str], model: Path) -> dict:
@@ -173,29 +181,39 @@ def train_teachers(args, addresses: dict[str, str], model: Path, toolchain: int)
     return union
 
 
-def distil(args, addresses: dict[str, str], model: Path, toolchain: int, union, ablation: str) -> str:
-    """One TU-OPD run from the initial weights; the name its student is served under."""
-    from leap.clients import connect
+def distill_config(args, model: Path, toolchain: int, union_path: str, ablation: str):
+    """One TU-OPD student's DistillConfig: from the initial weights, on the union, with the
+    ablation's switches and `--reliability-threshold` where given."""
     from leap.common.v1 import common_pb2
     from leap.distill.v1 import distill_pb2
-    from leap.experiments.runs import run_to_end
 
-    name = f"student-{ablation}"
     switches = dict(ABLATIONS[ablation])
     if "objective" in switches:
         switches["objective"] = distill_pb2.Objective.Value(switches["objective"])
     config = distill_pb2.DistillConfig(
-        student_model_path=str(model), student_model=name, teacher_union_path=union.path, toolchain=toolchain,
-        steps=args.distill_steps, examples_per_step=args.tasks_per_step, seed=args.seed,
+        student_model_path=str(model), student_model=f"student-{ablation}", teacher_union_path=union_path,
+        toolchain=toolchain, steps=args.distill_steps, examples_per_step=args.tasks_per_step, seed=args.seed,
         eval_samples=args.eval_samples, checkpoint_every=args.distill_steps, display_name=f"compress: {ablation}",
         optimizer=common_pb2.OptimizerConfig(learning_rate=args.learning_rate), **switches)
+    if args.reliability_threshold is not None:
+        config.reliability_threshold = args.reliability_threshold
+    return config
+
+
+def distil(args, addresses: dict[str, str], model: Path, toolchain: int, union, ablation: str) -> str:
+    """One TU-OPD run from the initial weights; the name its student is served under."""
+    from leap.clients import connect
+    from leap.distill.v1 import distill_pb2
+    from leap.experiments.runs import run_to_end
+
+    config = distill_config(args, model, toolchain, union.path, ablation)
     distiller = connect("distill", addresses["distill"], aio=False)
     try:
         run_to_end(distiller, distill_pb2, config, f"TU-OPD {ablation}", progress=not args.quiet,
                    postfix_keys=("loss", "kl/target"))
     finally:
         distiller.channel.close()
-    return name
+    return config.student_model
 
 
 TASK_SETS = {"train": "training tasks (fresh samples)", "heldout": "held-out tasks"}

@@ -15,7 +15,7 @@ TERMINAL = (RunState.RUN_STATE_STOPPED, RunState.RUN_STATE_SUCCEEDED, RunState.R
 
 
 class RunFailed(RuntimeError):
-    """A run ended in another state than SUCCEEDED."""
+    """A run ended in another state than SUCCEEDED, or the service refused or lost it."""
 
 
 @dataclasses.dataclass
@@ -43,7 +43,18 @@ def run_to_end(stub, messages: ModuleType, config, label: str, progress: bool = 
                postfix_keys: tuple[str, ...] = ()) -> FinishedRun:
     """Start a run of `config` on `stub` (a blocking stub of the trainer or the distiller),
     show a progress bar of its steps until it ends, and return it; RunFailed when it did not
-    succeed."""
+    succeed, was refused (the service's reason, naming the config field) or the service went away."""
+    import grpc
+
+    try:
+        return _follow(stub, messages, config, label, progress, postfix_keys)
+    except grpc.RpcError as err:
+        if not isinstance(err, grpc.Call):
+            raise
+        raise RunFailed(f"{label}: {err.code().name} from the service: {err.details()}") from None
+
+
+def _follow(stub, messages: ModuleType, config, label: str, progress: bool, postfix_keys: tuple[str, ...]) -> FinishedRun:
     from tqdm import tqdm
 
     run = stub.StartRun(messages.StartRunRequest(request_id=uuid.uuid4().hex, config=config), timeout=300).run
