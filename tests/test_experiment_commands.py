@@ -271,4 +271,4 @@ def test_a_run_the_service_refuses_is_a_run_failed_naming_the_field(tmp_path):
         finally:
             trainer.channel.close()
     assert str(caught.value).startswith("LEAP: INVALID_ARGUMENT from the service: ")
-    assert "config.steps" in str(caught.value)
+    assert "config.steps: is required and must be at least 1" in str(caught.value)  # the violation in full

@@ -51,7 +51,9 @@ def run_to_end(stub, messages: ModuleType, config, label: str, progress: bool = 
     except grpc.RpcError as err:
         if not isinstance(err, grpc.Call):
             raise
-        raise RunFailed(f"{label}: {err.code().name} from the service: {err.details()}") from None
+        from leap.runtime.errors import explain
+
+        raise RunFailed(f"{label}: {err.code().name} from the service: {explain(err)}") from None
 
 
 def _follow(stub, messages: ModuleType, config, label: str, progress: bool, postfix_keys: tuple[str, ...]) -> FinishedRun:

@@ -333,6 +333,15 @@ def violated_fields(error: grpc.RpcError) -> list[str]:
             for violation in detail.field_violations]
 
 
+def explain(error: grpc.RpcError) -> str:
+    """Client side: what a person reads of a failed call: each field violation of its
+    `BadRequest` in full ("config.steps: is required ..."; the status message shortens each
+    one to fit the trailer), else the status message."""
+    violations = [f"{v.field}: {v.description}" for detail in details_of(error)
+                  if isinstance(detail, error_details_pb2.BadRequest) for v in detail.field_violations]
+    return "; ".join(violations) if violations else (error.details() or "")
+
+
 def error_reasons(error: grpc.RpcError) -> list[str]:
     """Client side: the `ErrorInfo` reasons of a failed call (empty when it has none)."""
     return [detail.reason for detail in details_of(error) if isinstance(detail, error_details_pb2.ErrorInfo)]
