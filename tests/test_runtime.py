@@ -317,6 +317,22 @@ def test_many_violations_are_capped_with_a_count_of_the_rest(server):
     assert wire_bytes(error) <= 4096
 
 
+def test_a_lone_violation_reaches_the_message_whole_where_it_fits():
+    """Most errors name one field, and the explanation is at the end of its description: a
+    client that reads only the status message (another language's, a log line) gets all of it;
+    one too long for the message, or several, are shortened there (the BadRequest keeps each)."""
+    from leap.runtime.errors import MAX_MESSAGE_WIRE_BYTES, Violations, invalid_argument, message_wire_bytes
+
+    why = ("no teacher reaches rho = 0.5 on any training task (the highest pass rate there is 0.375): "
+           "every example would be skipped")
+    assert invalid_argument("config.reliability_threshold", why).message == f"invalid request: config.reliability_threshold: {why}"
+    long = invalid_argument("config.train_tasks", "é" * 390 + " the end")  # 400 characters, mostly 3 wire bytes each
+    assert "chars cut" in long.message and long.message.endswith(" the end")
+    assert message_wire_bytes(long.message) <= MAX_MESSAGE_WIRE_BYTES
+    several = Violations().add("config.steps", why).add("config.seed", why).error().message
+    assert several.count("chars cut") == 2 and "config.seed" in several
+
+
 def test_echoed_values_are_cut_with_their_length(server):
     """A 20 KB task id comes back as its first 120 characters and its length."""
     with pytest.raises(grpc.RpcError) as caught:

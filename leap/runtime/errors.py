@@ -221,6 +221,17 @@ def invalid_argument(field: str, description: str) -> ServiceError:
     return Violations().add(field, description).error()
 
 
+def _fitting(text: str, wire_bytes: int) -> str:
+    """`text`, shortened (`shorten`) until its grpc-message encoding takes at most `wire_bytes`
+    (each non-ASCII byte costs three), or to MAX_VALUE_CHARS characters."""
+    chars = wire_bytes
+    part = shorten(text, chars)
+    while message_wire_bytes(part) > wire_bytes and chars > MAX_VALUE_CHARS:
+        chars = max(MAX_VALUE_CHARS, chars * 2 // 3)
+        part = shorten(text, chars)
+    return part
+
+
 class Violations:
     """Collects every bad field of a request, so the client learns all of them at once.
 
@@ -253,11 +264,14 @@ class Violations:
             violations.append(_more_entry(len(self.items) - len(listed)))
         # The message names as many violations as fit (then only their fields, then a count):
         # a person reading a log line learns what was wrong; a program reads the BadRequest.
+        # A lone violation is given whole where it fits (most errors name one field, and its
+        # explanation is at the end); several share the room at MAX_VALUE_CHARS each.
         budget = MAX_MESSAGE_WIRE_BYTES - 80  # room for the prefix and the count
         used = 0
         parts: list[str] = []
         for field, description in self.items:
-            part = shorten(f"{field}: {description}", MAX_VALUE_CHARS)
+            part = (_fitting(f"{field}: {description}", budget * 3 // 5) if len(self.items) == 1
+                    else shorten(f"{field}: {description}", MAX_VALUE_CHARS))
             if parts and used + message_wire_bytes(part) + 2 > budget * 3 // 5:  # the rest for names
                 break
             parts.append(part)
