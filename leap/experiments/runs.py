@@ -49,7 +49,7 @@ def run_to_end(stub, messages: ModuleType, config, label: str, progress: bool = 
     try:
         return _follow(stub, messages, config, label, progress, postfix_keys)
     except grpc.RpcError as err:
-        if not isinstance(err, grpc.Call):
+        if not callable(getattr(err, "code", None)):  # not a call's status
             raise
         from leap.runtime.errors import explain
 
