@@ -88,9 +88,13 @@ def markdown_table(summaries: Sequence[Summary], metrics: Sequence[str], target_
     return "\n".join(rows)
 
 
-def plot_curves(runs: Mapping[str, Sequence[Mapping]], metrics: Sequence[str], path: str | Path,
-                title: str = "") -> Path:
-    """A grid: one row per metric, columns against sandbox evaluations and training seconds."""
+COSTS = ((lambda p: p.evaluations, "sandbox evaluations (training)"),
+         (lambda p: p.seconds, "wall-clock seconds (training)"))
+
+
+def _cost_grid(metrics: Sequence[str], draw, path: str | Path, title: str, y_suffix: str = "") -> Path:
+    """A grid with one row per metric and a column per cost (sandbox evaluations, training
+    seconds); `draw(axis, metric, x)` plots the series of one panel, `x` a point's cost."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,17 +102,25 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping]], metrics: Sequence[str], p
 
     figure, axes = plt.subplots(len(metrics), 2, figsize=(11, 3.4 * len(metrics)), squeeze=False)
     for row, metric in enumerate(metrics):
-        for column, (x, x_label) in enumerate(((lambda p: p.evaluations, "sandbox evaluations (training)"),
-                                                (lambda p: p.seconds, "wall-clock seconds (training)"))):
+        for column, (x, x_label) in enumerate(COSTS):
             axis = axes[row][column]
-            for name, events in runs.items():
-                points = curve(events, metric)
-                axis.plot([x(p) for p in points], [p.accuracy for p in points], marker="o", markersize=3, label=name)
+            draw(axis, metric, x)
             axis.set_xlabel(x_label)
-            axis.set_ylabel(label(metric))
+            axis.set_ylabel(label(metric) + y_suffix)
             axis.grid(alpha=0.3)
             axis.legend(fontsize=8)
     return save_figure(figure, path, title)
+
+
+def plot_curves(runs: Mapping[str, Sequence[Mapping]], metrics: Sequence[str], path: str | Path,
+                title: str = "") -> Path:
+    """A grid: one row per metric, columns against sandbox evaluations and training seconds."""
+    def draw(axis, metric, x):
+        for name, events in runs.items():
+            points = curve(events, metric)
+            axis.plot([x(p) for p in points], [p.accuracy for p in points], marker="o", markersize=3, label=name)
+
+    return _cost_grid(metrics, draw, path, title)
 
 
 # -- over seeds ------------------------------------------------------------------------------
@@ -186,30 +198,19 @@ def mean_curve(runs_by_seed: Sequence[Mapping[str, Sequence[Mapping]]], name: st
 
 def plot_seeds(runs_by_seed: Sequence[Mapping[str, Sequence[Mapping]]], metrics: Sequence[str], path: str | Path,
                title: str = "") -> Path:
-    """`plot_curves` over seeds: each run's mean curve (`mean_curve`), with the standard error
-    of each point's accuracy as an error bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """`plot_curves` over seeds: each run's mean curve (`mean_curve`; the costs are means too),
+    with the standard error of each point's accuracy as an error bar."""
     names = list(dict.fromkeys(name for runs in runs_by_seed for name in runs))
-    figure, axes = plt.subplots(len(metrics), 2, figsize=(11, 3.4 * len(metrics)), squeeze=False)
-    for row, metric in enumerate(metrics):
-        for column, (x, x_label) in enumerate(((lambda p: p.evaluations, "sandbox evaluations (training, mean)"),
-                                                (lambda p: p.seconds, "wall-clock seconds (training, mean)"))):
-            axis = axes[row][column]
-            for name in names:
-                points = mean_curve(runs_by_seed, name, metric)
-                seeds = max((p.accuracy.n for p in points), default=0)
-                axis.errorbar([x(p) for p in points], [p.accuracy.mean for p in points],
-                              yerr=[p.accuracy.se if p.accuracy.n > 1 else 0.0 for p in points], marker="o",
-                              markersize=3, capsize=3, label=f"{name} ({seeds} seed{'s' if seeds != 1 else ''})")
-            axis.set_xlabel(x_label)
-            axis.set_ylabel(label(metric) + " (mean ± s.e.)")
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=8)
-    return save_figure(figure, path, title)
+
+    def draw(axis, metric, x):
+        for name in names:
+            points = mean_curve(runs_by_seed, name, metric)
+            seeds = max((p.accuracy.n for p in points), default=0)
+            axis.errorbar([x(p) for p in points], [p.accuracy.mean for p in points],
+                          yerr=[p.accuracy.se if p.accuracy.n > 1 else 0.0 for p in points], marker="o",
+                          markersize=3, capsize=3, label=f"{name} ({seeds} seed{'s' if seeds != 1 else ''})")
+
+    return _cost_grid(metrics, draw, path, title, " (mean ± s.e.)")
 
 
 def seeds_table(spreads: Mapping[str, Mapping[str, Spread]], metrics: Sequence[str], seeds: int) -> str:
