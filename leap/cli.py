@@ -44,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # a person typed something wrong: one friendly line, no traceback
         print(f"leap {args.command}: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a service's status reached the command: its code and reason, one line
+        from leap.runtime.errors import call_failure
+
+        failure = call_failure(err) if args.command != "serve" else None
+        if failure is None:
+            raise
+        print(f"leap {args.command}: {failure}", file=sys.stderr)
+        return 1
 
 
 class Terminated(KeyboardInterrupt):

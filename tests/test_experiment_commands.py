@@ -272,3 +272,7 @@ def test_a_run_the_service_refuses_is_a_run_failed_naming_the_field(tmp_path):
             trainer.channel.close()
     assert str(caught.value).startswith("LEAP: INVALID_ARGUMENT from the service: ")
     assert "config.steps: is required and must be at least 1" in str(caught.value)  # the violation in full
+    assert "config.steps" in caught.value.fields  # what a command's hint is keyed on
+    from leap.runtime.errors import call_failure
+
+    assert call_failure(ValueError("not a call")) is None  # anything else is left to its own handler

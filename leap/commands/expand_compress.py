@@ -91,15 +91,12 @@ def check_args(args) -> list[str]:
 
 
 def run(args, _extra) -> int:
-    import grpc
-
     from leap.cli import UserError
     from leap.commands.demo import bootstrap, demo_toolchain, families_env, say
     from leap.experiments.compare import seed_dir
     from leap.experiments.resume import finished, save_finished
     from leap.experiments.runs import RunFailed
     from leap.experiments.stack import experiment_stack
-    from leap.runtime.errors import explain
 
     ablations = check_args(args)
     out = Path(args.out)
@@ -122,13 +119,9 @@ def run(args, _extra) -> int:
                     students = {name: distil(this, stack.addresses, model, toolchain, union, name)
                                 for name in ablations}
                     results = measure_all(this, stack.addresses, model, toolchain, union, students)
-            except grpc.RpcError as err:  # a call outside a run (the union, loading a model, measuring)
-                if not callable(getattr(err, "code", None)):  # a blocking call's error, or an aio one
-                    raise
-                raise UserError(f"seed {seed}: {err.code().name} from a service: {explain(err)}") from None
             except (RunFailed, RuntimeError, TimeoutError) as err:
                 hint = ("; lower --reliability-threshold, or train the teachers longer (--steps-per-round)"
-                        if "reliability_threshold" in str(err) else "")
+                        if "config.reliability_threshold" in getattr(err, "fields", ()) else "")
                 raise UserError(f"seed {seed}: {err}{hint}") from None
             save_finished(record, stamp, "results", results)
         report(this, results, work)

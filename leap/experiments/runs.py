@@ -15,7 +15,12 @@ TERMINAL = (RunState.RUN_STATE_STOPPED, RunState.RUN_STATE_SUCCEEDED, RunState.R
 
 
 class RunFailed(RuntimeError):
-    """A run ended in another state than SUCCEEDED, or the service refused or lost it."""
+    """A run ended in another state than SUCCEEDED, or the service refused or lost it (then
+    `fields` are the config fields its BadRequest names)."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.fields = fields
 
 
 @dataclasses.dataclass
@@ -46,14 +51,15 @@ def run_to_end(stub, messages: ModuleType, config, label: str, progress: bool = 
     succeed, was refused (the service's reason, naming the config field) or the service went away."""
     import grpc
 
+    from leap.runtime.errors import call_failure, violated_fields
+
     try:
         return _follow(stub, messages, config, label, progress, postfix_keys)
     except grpc.RpcError as err:
-        if not callable(getattr(err, "code", None)):  # not a call's status
+        failure = call_failure(err)
+        if failure is None:
             raise
-        from leap.runtime.errors import explain
-
-        raise RunFailed(f"{label}: {err.code().name} from the service: {explain(err)}") from None
+        raise RunFailed(f"{label}: {failure}", tuple(violated_fields(err))) from None
 
 
 def _follow(stub, messages: ModuleType, config, label: str, progress: bool, postfix_keys: tuple[str, ...]) -> FinishedRun:

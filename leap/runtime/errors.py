@@ -356,6 +356,14 @@ def explain(error: grpc.RpcError) -> str:
     return "; ".join(violations) if violations else (error.details() or "")
 
 
+def call_failure(error: BaseException) -> str | None:
+    """Client side: one line for a failed call of any stub, blocking or aio ("INVALID_ARGUMENT
+    from the service: config.steps: ..."); None for anything that is not a call's status."""
+    if not isinstance(error, grpc.RpcError) or not callable(getattr(error, "code", None)):
+        return None
+    return f"{error.code().name} from the service: {explain(error)}"
+
+
 def error_reasons(error: grpc.RpcError) -> list[str]:
     """Client side: the `ErrorInfo` reasons of a failed call (empty when it has none)."""
     return [detail.reason for detail in details_of(error) if isinstance(detail, error_details_pb2.ErrorInfo)]
