@@ -116,6 +116,9 @@ def test_the_curve_over_seeds_is_the_mean_cost_and_accuracy_at_each_step_every_s
     assert [p.step for p in compare.mean_curve([{"leap": LEAP}, {"leap": partial}], "leap", "pass_at_1/turn_1")] == [0, 10]
     assert compare.mean_curve([{"leap": LEAP}, {"multiturn": MULTI}], "multiturn", "pass_at_1/turn_1")[1].accuracy.n == 1
     assert compare.mean_curve([{"leap": LEAP}], "single", "pass_at_1/turn_1") == []
+    before = compare.before_training([{"leap": LEAP, "multiturn": MULTI}, {"leap": second}], ["pass_at_1/turn_1"])
+    assert (before["pass_at_1/turn_1"].mean, before["pass_at_1/turn_1"].n) == (0.25, 2)  # one value a seed
+    assert compare.before_training([{"leap": LEAP[1:]}], ["pass_at_1/turn_1"])["pass_at_1/turn_1"].n == 0  # no step 0
     path = compare.plot_seeds([{"leap": LEAP, "multiturn": MULTI}, {"leap": second}], ["pass_at_1/turn_1"],
                               tmp_path / "s.png", title="t")
     assert path.is_file() and path.stat().st_size > 1000

@@ -194,7 +194,10 @@ def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path,
     claims = compare.dcp_claims(per_seed, metrics[-1])
     lines = [f"# DCP experiment over seeds {', '.join(map(str, seeds))}: {args.steps} steps per mode, "
              f"B={args.tasks_per_step}, G={args.group_size}, K={args.max_turns}", "",
-             compare.seeds_table(spreads, metrics, len(seeds)), "", "The papers' claims, seed by seed:",
+             compare.seeds_table(spreads, metrics, len(seeds)), "",
+             "Before training (the step-0 evaluation, mean ± standard error over the seeds): "
+             + ", ".join(f"{compare.label(m)} {value}" for m, value in compare.before_training(runs_by_seed, metrics).items()),
+             "", "The papers' claims, seed by seed:",
              *claims, "",
              "each seed's table, plot and runs: " + ", ".join(str(compare.seed_dir(out, s, len(seeds))) for s in seeds)]
     target_metric = metrics[len(metrics) // 2 - 1]  # as in each seed's report: the training tasks at the last turn

@@ -256,7 +256,9 @@ def measure_all(args, addresses: dict[str, str], model: Path, toolchain: int, un
 
 
 def report(args, results: dict, out: Path) -> None:
+    """One seed's table (each pass@1 with its standard error over tasks), plot and claims."""
     from leap.commands.demo import say
+    from leap.evaluation import standard_error
 
     lines = [f"# Expand then compress: R={args.rounds} rounds x {args.steps_per_round} RGRPO steps, "
              f"{args.distill_steps} TU-OPD steps per student, seed {args.seed}", ""]
@@ -272,7 +274,9 @@ def report(args, results: dict, out: Path) -> None:
         for split in TASK_SETS:
             rates = results["sets"][split]["pass_at_1"]
             top = rates[strongest[split]]
-            row += f" {rates[name]:.3f} | {(rates[name] - top) / top:+.1%} |" if top > 0 else f" {rates[name]:.3f} | n/a |"
+            error = standard_error(list(results["sets"][split]["per_task"][name].values()))
+            cell = f" {rates[name]:.3f} ± {error:.3f} |"
+            row += cell + (f" {(rates[name] - top) / top:+.1%} |" if top > 0 else " n/a |")
         lines.append(row)
     lines.append("")
     lines.append("Union (tau {:g}): coverage of the training tasks after each round {} (RGRPO's own measurement); "

@@ -196,6 +196,19 @@ def mean_curve(runs_by_seed: Sequence[Mapping[str, Sequence[Mapping]]], name: st
                       spread([c[step].accuracy for c in curves])) for step in steps]
 
 
+def before_training(runs_by_seed: Sequence[Mapping[str, Sequence[Mapping]]], metrics: Sequence[str]) -> dict[str, Spread]:
+    """Each metric's step-0 evaluation (before any training; the same in every run of a seed, so
+    the first run that logged it counts) as mean ± standard error over the seeds."""
+    values: dict[str, list[float]] = {m: [] for m in metrics}
+    for runs in runs_by_seed:
+        for metric in metrics:
+            first = next((points[0].accuracy for points in (curve(events, metric) for events in runs.values())
+                          if points and points[0].step == 0), None)
+            if first is not None:
+                values[metric].append(first)
+    return {metric: spread(found) for metric, found in values.items()}
+
+
 def plot_seeds(runs_by_seed: Sequence[Mapping[str, Sequence[Mapping]]], metrics: Sequence[str], path: str | Path,
                title: str = "") -> Path:
     """`plot_curves` over seeds: each run's mean curve (`mean_curve`; the costs are means too),
