@@ -174,6 +174,8 @@ def test_expand_compress_trains_teachers_distils_a_student_and_measures_all(tiny
         assert (tmp_path / f"seed-{seed}" / "expand_compress.png").is_file()
     over = json.loads((tmp_path / "report.json").read_text())
     assert over["seeds"] == [0, 1] and over["pass_at_1"]["student-no-gating"]["heldout"]["n"] == 2
+    # the bars over seeds, with their error bars
+    assert (tmp_path / "expand_compress.png").is_file() and f"plot: {tmp_path / 'expand_compress.png'}" in done.stdout
     assert [line.split(":")[0] for line in over["claims"]] == [
         "- the student-no-gating student beats its strongest teacher on the training tasks (fresh samples)",
         "- the student-no-gating student beats its strongest teacher on the held-out tasks"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 ABLATIONS = {
@@ -322,7 +323,11 @@ def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> Non
                                     [r["teachers"] for r in per_seed], student, label)
               for student in per_seed[0]["students"].values() for split, label in TASK_SETS.items()]
     lines += claims
-    lines += ["", "each seed's table, plot and runs: "
+    plot = plot_bars({split: {name: spreads[name][split].mean for name in names} for split in TASK_SETS},
+                     out / "expand_compress.png",
+                     errors={split: {name: spreads[name][split].se for name in names} for split in TASK_SETS},
+                     title=f"mean and standard error over {len(seeds)} seeds")
+    lines += ["", f"plot: {plot}", "each seed's table, plot and runs: "
               + ", ".join(str(compare.seed_dir(out, s, len(seeds))) for s in seeds)]
     text = "\n".join(lines)
     (out / "report.md").write_text(text + "\n")
@@ -332,8 +337,10 @@ def report_seeds(args, seeds: list[int], per_seed: list[dict], out: Path) -> Non
     say("\n" + text + f"\nreport: {out / 'report.md'}")
 
 
-def plot_bars(rates_by_set: dict[str, dict[str, float]], path: Path) -> Path:
-    """One panel per task set: a bar per model (grey: initial, blue: teachers, orange: students)."""
+def plot_bars(rates_by_set: dict[str, dict[str, float]], path: Path,
+              errors: dict[str, dict[str, float]] | None = None, title: str = "") -> Path:
+    """One panel per task set: a bar per model (grey: initial, blue: teachers, orange: students),
+    with `errors` (a standard error per bar, over seeds) drawn as error bars where given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -345,10 +352,14 @@ def plot_bars(rates_by_set: dict[str, dict[str, float]], path: Path) -> Path:
     figure, axes = plt.subplots(1, len(rates_by_set), figsize=(1 + 0.75 * count * len(rates_by_set), 4), squeeze=False)
     for axis, (split, rates) in zip(axes[0], rates_by_set.items()):
         colors = ["#999999" if n == "initial" else "#4c72b0" if n.startswith("teacher") else "#dd8452" for n in rates]
-        axis.bar(list(rates), list(rates.values()), color=colors)
+        bars = [errors[split][n] for n in rates] if errors else None
+        bars = [0.0 if math.isnan(e) else e for e in bars] if bars else None  # one seed: no spread to draw
+        axis.bar(list(rates), list(rates.values()), color=colors, yerr=bars, capsize=3 if bars else 0)
         axis.set_title(TASK_SETS[split])
         axis.set_ylabel("pass@1")
-        axis.set_ylim(0, max(0.05, 1.15 * max(rates.values())))  # all-zero bars still show a 0-based axis
+        top = max(r + (e if bars else 0.0) for r, e in zip(rates.values(), bars or [0.0] * count))
+        axis.set_ylim(0, max(0.05, 1.15 * top))  # all-zero bars still show a 0-based axis
         axis.tick_params(axis="x", rotation=35)
         axis.grid(axis="y", alpha=0.3)
-    return save_figure(figure, path, "initial model, RGRPO teachers, TU-OPD students")
+    caption = "initial model, RGRPO teachers, TU-OPD students" + (f": {title}" if title else "")
+    return save_figure(figure, path, caption)
