@@ -352,12 +352,13 @@ def plot_bars(rates_by_set: dict[str, dict[str, float]], path: Path,
     figure, axes = plt.subplots(1, len(rates_by_set), figsize=(1 + 0.75 * count * len(rates_by_set), 4), squeeze=False)
     for axis, (split, rates) in zip(axes[0], rates_by_set.items()):
         colors = ["#999999" if n == "initial" else "#4c72b0" if n.startswith("teacher") else "#dd8452" for n in rates]
-        bars = [errors[split][n] for n in rates] if errors else None
-        bars = [0.0 if math.isnan(e) else e for e in bars] if bars else None  # one seed: no spread to draw
-        axis.bar(list(rates), list(rates.values()), color=colors, yerr=bars, capsize=3 if bars else 0)
+        # nan: a model only one seed measured has no spread to draw
+        spreads = [0.0 if not errors or math.isnan(errors[split][n]) else errors[split][n] for n in rates]
+        axis.bar(list(rates), list(rates.values()), color=colors, yerr=spreads if errors else None,
+                 capsize=3 if errors else 0)
         axis.set_title(TASK_SETS[split])
         axis.set_ylabel("pass@1")
-        top = max(r + (e if bars else 0.0) for r, e in zip(rates.values(), bars or [0.0] * count))
+        top = max(rate + spread for rate, spread in zip(rates.values(), spreads))
         axis.set_ylim(0, max(0.05, 1.15 * top))  # all-zero bars still show a 0-based axis
         axis.tick_params(axis="x", rotation=35)
         axis.grid(axis="y", alpha=0.3)
