@@ -538,6 +538,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             reply.host_probe_path, reply.host_probe_nonce = str(self.probe.path), self.probe.nonce
             reply.shared_memory_dir = self.config.shm_dir
             reply.shared_memory_max_bytes = self.shared_bytes_limit(entry)
+            reply.shared_memory_crc32c = True  # read_shared checks either checksum
         if policy_pb2.WEIGHT_TRANSPORT_TORCH_DISTRIBUTED in offer:
             reply.group_backends.extend(["gloo", "nccl"] if entry.engine.meta.device.startswith("cuda") else ["gloo"])
         return reply

@@ -8,7 +8,7 @@ old weights is running), so the commit semantics are one for every transport.
   them back shares this host's /dev/shm (a dead service's probe is removed by the next one).
 - `read_shared`: opens a learner's shared-memory object by name (refusing names that are not
   weight objects, objects others could have written, sizes and tables that do not add up),
-  checks every tensor's CRC-32 and returns views of the mapping, which the backend serves
+  checks every tensor's CRC-32 (or CRC-32C where the entry carries one) and returns views of the mapping, which the backend serves
   as they are when the learner handed the object over (`shared_memory_handover`) and copies
   into the model otherwise (`SharedMappings` keeps the mapping for the next push).
 - `WeightGroups`: torch.distributed groups with learners (a TCP store per group, this
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from leap.clients.transports import SHM_NAME, checksum_pieces, crc32, word_sum
+from leap.clients.checksums import crc32c, crc32c_combine
+from leap.clients.transports import SHM_NAME, checksum_pieces, crc32, crc32_combine, word_sum
 from leap.policy.v1 import policy_pb2
 from leap.runtime import Violations, failed_precondition, invalid_argument, not_found
 from leap.runtime.logging import get_logger
@@ -40,7 +41,7 @@ from svc_policy.weights import all_finite, check_finite, check_table
 
 log = get_logger("leap.policy.transports")
 
-VERIFY_BLOCK = 4 * 1024 * 1024  # verified in blocks that stay in L3 between the CRC and the sum
+VERIFY_BLOCK = 8 * 1024 * 1024  # a piece (leap.clients.transports.PIECE) at a time: the CRC reads it from memory, the sum from L3
 
 
 class HostProbe:
@@ -172,24 +173,34 @@ def read_shared(directory: Path, request: policy_pb2.CommitWeightsRequest, specs
     views = [flat[item.offset : item.offset + spec.nbytes] for item, spec in zip(request.tensors, table)]
     arrays = [view.numpy() for view in views]
     not_finite: set[int] = set()
+    castagnoli = [item.HasField("crc32c") for item in request.tensors]
 
     def verify(i: int, start: int, stop: int) -> int:
         # One read of the bytes from memory: each block's CRC, then its finite check while
         # it is in cache (`all_finite`; the commit's own check_finite is skipped for these).
-        crc, dtype = 0, table[i].dtype
+        crc, dtype, checksum = 0, table[i].dtype, crc32c if castagnoli[i] else crc32
         for first in range(start, stop, VERIFY_BLOCK):
             last = min(first + VERIFY_BLOCK, stop)
-            crc = crc32(arrays[i][first:last], crc)
+            crc = checksum(arrays[i][first:last], crc)
             if dtype.is_floating_point and i not in not_finite and not all_finite(views[i][first:last].view(dtype)):
                 not_finite.add(i)
         return crc
 
-    checksums = checksum_pieces([array.size for array in arrays], verify)
+    # Pieces of a tensor share its checksum, so the CRC-32 and CRC-32C tensors are combined
+    # apart; the two calls run one after the other, each on every thread.
+    checksums = [0] * len(arrays)
+    for kind, combine in ((False, crc32_combine), (True, crc32c_combine)):
+        chosen = [i for i in range(len(arrays)) if castagnoli[i] == kind]
+        if chosen:
+            found = checksum_pieces([arrays[i].size for i in chosen], lambda j, a, b: verify(chosen[j], a, b), combine)
+            for i, crc in zip(chosen, found):
+                checksums[i] = crc
     tensors: dict[str, torch.Tensor] = {}
     for index, (item, spec, view, actual) in enumerate(zip(request.tensors, table, views, checksums)):
-        if actual != item.crc32:
-            raise invalid_argument(f"tensors[{index}].crc32", f"checksum mismatch for {item.name!r}: the table says "
-                                                              f"{item.crc32:#010x}, the object has {actual:#010x}")
+        field, expected = ("crc32c", item.crc32c) if castagnoli[index] else ("crc32", item.crc32)
+        if actual != expected:
+            raise invalid_argument(f"tensors[{index}].{field}", f"checksum mismatch for {item.name!r}: the table says "
+                                                                f"{expected:#010x}, the object has {actual:#010x}")
         tensors[item.name] = view.view(spec.dtype).reshape(spec.shape)
     bad = {item.name: tensors[item.name] for index, item in enumerate(request.tensors) if index in not_finite}
     check_finite(bad, {item.name: f"tensors[{index}]" for index, item in enumerate(request.tensors)})

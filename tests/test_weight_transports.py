@@ -130,7 +130,7 @@ def test_shared_memory_serves_the_handed_over_object_and_never_writes_one_that_m
             # A push that fails (a wrong checksum here) leaves the served weights; the object it
             # wrote may or may not serve as far as the pusher knows, so the next push takes a fresh one.
             real_entry = tx.entry
-            tx.entry = lambda name, tensor, **f: real_entry(name, tensor, **{**f, "crc32": f["crc32"] ^ 1})
+            tx.entry = lambda name, tensor, **f: real_entry(name, tensor, **{**f, "crc32c": f["crc32c"] ^ 1})
             try:
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await pusher.push(4, weights)
@@ -174,10 +174,11 @@ def test_handed_over_objects_are_reused_only_once_every_tensor_they_serve_was_re
     assert not list(tmp_path.iterdir())
 
 
-def shared_request(model: str, version: int, state) -> tuple[policy_pb2.CommitWeightsRequest, tx.SharedSegment]:
+def shared_request(model: str, version: int, state,
+                   castagnoli: bool = False) -> tuple[policy_pb2.CommitWeightsRequest, tx.SharedSegment]:
     tensors = tx.prepared(state, torch.float32)
     shared = tx.SharedSegment(Path("/dev/shm"), tx.shared_size(tensors))
-    entries = shared.write(tensors)
+    entries = shared.write(tensors, castagnoli)
     return policy_pb2.CommitWeightsRequest(model=model, version=version, transport=tx.SHARED_MEMORY,
                                            shared_memory_name=shared.path.name, shared_memory_bytes=shared.size,
                                            tensors=entries), shared
@@ -213,8 +214,13 @@ def test_shared_memory_refuses_bad_checksums_versions_and_handles(stub, model, w
         "shape": ("tensors[0].shape", lambda r, s: r.tensors[0].shape.__setitem__(0, r.tensors[0].shape[0] + 1)),
         "unknown tensor": ("tensors[0].name", lambda r, s: r.tensors[0].__setattr__("name", "model.nothing.weight")),
     }
+    # CRC-32C in place of CRC-32 (what this package's pusher sends where it is offered) is
+    # checked as strictly, and named as its own field.
+    cases["crc32c"] = ("tensors[3].crc32c", lambda r, s: r.tensors[3].__setattr__("crc32c", r.tensors[3].crc32c ^ 1))
+    cases["flipped byte under crc32c"] = ("tensors[0].crc32c", lambda r, s: flip(s.path, r.tensors[0].offset))
+    cases["crc32c left out of one tensor"] = ("tensors[2].crc32", lambda r, s: r.tensors[2].ClearField("crc32c"))
     for how, (field, spoil) in cases.items():
-        request, shared = shared_request(model, 1, perturbed(weights))
+        request, shared = shared_request(model, 1, perturbed(weights), castagnoli="crc32c" in how)
         spoil(request, shared)
         with pytest.raises(grpc.RpcError) as caught:
             commit(stub, request)
@@ -350,6 +356,51 @@ def test_a_service_configured_for_the_stream_alone_offers_only_it(tiny_model_dir
         running.stop()
 
 
+def test_a_pusher_sends_crc32c_only_to_a_service_that_offers_it(stub, server, model, weights):
+    # A service built before TensorEntry.crc32c (or another language's) does not set
+    # shared_memory_crc32c and checks crc32 alone: the pusher then sends CRC-32.
+    sent: list[policy_pb2.TensorEntry] = []
+    real_entry = tx.entry
+
+    def recording(name, tensor, **fields):
+        sent.append(real_entry(name, tensor, **fields))
+        return sent[-1]
+
+    async def run(offered: bool) -> int:
+        channel = connect("policy", server.address)
+        pusher = WeightPusher(channel, model, "shm")
+        await pusher.transports()
+        assert pusher.offer.shared_memory_crc32c  # this service takes either
+        pusher.offer.shared_memory_crc32c = offered
+        try:
+            return (await pusher.push(version_of(stub, model) + 1, perturbed(weights))).version
+        finally:
+            await pusher.close()
+            await channel.channel.close()
+
+    tx.entry = recording
+    try:
+        for offered in (True, False):
+            sent.clear()
+            assert asyncio.run(run(offered)) == version_of(stub, model)
+            assert sent and all(e.HasField("crc32c") == offered for e in sent), offered
+            assert all(e.crc32 == 0 for e in sent) == offered  # one checksum or the other, not both
+    finally:
+        tx.entry = real_entry
+
+
+def test_crc32c_combines_like_the_crc_of_the_joined_bytes():
+    import crc32c as reference
+
+    from leap.clients.checksums import crc32c, crc32c_combine
+
+    assert crc32c(b"123456789") == 0xE3069283  # the check value of CRC-32C
+    rng = __import__("random").Random(0)
+    for _ in range(200):
+        a, b = rng.randbytes(rng.randint(0, 2000)), rng.randbytes(rng.choice([0, 1, 3, 4096, rng.randint(0, 9000)]))
+        assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == reference.crc32c(a + b), (len(a), len(b))
+
+
 def test_checksums_taken_in_parallel_pieces_are_the_whole_buffers_crc32(monkeypatch, tmp_path):
     import zlib
 
@@ -366,6 +417,12 @@ def test_checksums_taken_in_parallel_pieces_are_the_whole_buffers_crc32(monkeypa
     entries = segment.write(tensors)
     assert [e.crc32 for e in entries] == [zlib.crc32(b) for b in buffers]
     assert all(bytes(segment.array[e.offset : e.offset + b.size]) == b.tobytes() for e, b in zip(entries, buffers))
+    # And with CRC-32C, each entry's crc32c is the library's of the whole tensor.
+    import crc32c
+
+    entries = segment.write(tensors, castagnoli=True)
+    assert [e.crc32c for e in entries] == [crc32c.crc32c(b.tobytes()) for b in buffers]
+    assert all(e.HasField("crc32c") and e.crc32 == 0 for e in entries)
     segment.close()
 
 

@@ -806,6 +806,7 @@ class GetWeightTransportsResponse(_message.Message):
     SHARED_MEMORY_MAX_BYTES_FIELD_NUMBER: _builtins.int
     GROUP_BACKENDS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_CRC32C_FIELD_NUMBER: _builtins.int
     host_probe_path: _builtins.str
     """A file the service created in its shared-memory directory; a caller that can read it and
     finds `host_probe_nonce` there shares the service's host and shared memory, the condition
@@ -821,6 +822,8 @@ class GetWeightTransportsResponse(_message.Message):
     """Largest shared-memory object the service accepts, in bytes."""
     device: _builtins.str
     """The model's device, for example "cpu" or "cuda:0"."""
+    shared_memory_crc32c: _builtins.bool
+    """Whether shared-memory commits may carry TensorEntry.crc32c in place of crc32."""
     @_builtins.property
     def transports(self) -> _containers.RepeatedScalarFieldContainer[Global___WeightTransport.ValueType]:
         """Every transport the service accepts for the model; always includes the stream."""
@@ -839,10 +842,11 @@ class GetWeightTransportsResponse(_message.Message):
         shared_memory_max_bytes: _builtins.int = ...,
         group_backends: _abc.Iterable[_builtins.str] | None = ...,
         device: _builtins.str = ...,
+        shared_memory_crc32c: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "group_backends", b"group_backends", "host_probe_nonce", b"host_probe_nonce", "host_probe_path", b"host_probe_path", "shared_memory_dir", b"shared_memory_dir", "shared_memory_max_bytes", b"shared_memory_max_bytes", "transports", b"transports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "group_backends", b"group_backends", "host_probe_nonce", b"host_probe_nonce", "host_probe_path", b"host_probe_path", "shared_memory_crc32c", b"shared_memory_crc32c", "shared_memory_dir", b"shared_memory_dir", "shared_memory_max_bytes", b"shared_memory_max_bytes", "transports", b"transports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -995,6 +999,7 @@ class TensorEntry(_message.Message):
     CRC32_FIELD_NUMBER: _builtins.int
     CUDA_IPC_FIELD_NUMBER: _builtins.int
     WORD_SUM_FIELD_NUMBER: _builtins.int
+    CRC32C_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Parameter name as in the model's state dict (or a LoRA adapter tensor's PEFT name).
     Required.
@@ -1006,12 +1011,18 @@ class TensorEntry(_message.Message):
     its element size; tensors must not overlap. Unused by the other transports.
     """
     crc32: _builtins.int
-    """CRC-32 (IEEE, as zlib.crc32) of the tensor's bytes. Required for shared memory and
-    torch.distributed.
+    """CRC-32 (IEEE, as zlib.crc32) of the tensor's bytes. Required for torch.distributed, and
+    for shared memory unless `crc32c` is set.
     """
     word_sum: _builtins.int
     """CUDA IPC: the sum, modulo 2^64, of the tensor's bytes read as little-endian int32 words
     (computed on the GPU by both sides, in place of a CRC-32). Required for CUDA IPC.
+    """
+    crc32c: _builtins.int
+    """Shared memory: CRC-32C (Castagnoli, as iSCSI, ext4 and the crc32c libraries compute it)
+    of the tensor's bytes, checked in place of `crc32` when set. Computed by one CPU
+    instruction, about twice as fast as CRC-32: offer it where the service says it takes it
+    (GetWeightTransportsResponse.shared_memory_crc32c).
     """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1031,12 +1042,15 @@ class TensorEntry(_message.Message):
         crc32: _builtins.int = ...,
         cuda_ipc: Global___CudaIpcHandle | None = ...,
         word_sum: _builtins.int = ...,
+        crc32c: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_crc32c", b"_crc32c", "crc32c", b"crc32c", "cuda_ipc", b"cuda_ipc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "cuda_ipc", b"cuda_ipc", "dtype", b"dtype", "name", b"name", "offset", b"offset", "shape", b"shape", "word_sum", b"word_sum"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_crc32c", b"_crc32c", "crc32", b"crc32", "crc32c", b"crc32c", "cuda_ipc", b"cuda_ipc", "dtype", b"dtype", "name", b"name", "offset", b"offset", "shape", b"shape", "word_sum", b"word_sum"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__crc32c: _TypeAlias = _typing.Literal["crc32c"]  # noqa: Y015
+    _WhichOneofArgType__crc32c: _TypeAlias = _typing.Literal["_crc32c", b"_crc32c"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__crc32c) -> _WhichOneofReturnType__crc32c | None: ...
 
 Global___TensorEntry: _TypeAlias = TensorEntry  # noqa: Y015
 
