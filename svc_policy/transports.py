@@ -8,9 +8,10 @@ old weights is running), so the commit semantics are one for every transport.
   them back shares this host's /dev/shm (a dead service's probe is removed by the next one).
 - `read_shared`: opens a learner's shared-memory object by name (refusing names that are not
   weight objects, objects others could have written, sizes and tables that do not add up),
-  checks every tensor's CRC-32 (or CRC-32C where the entry carries one) and returns views of the mapping, which the backend serves
-  as they are when the learner handed the object over (`shared_memory_handover`) and copies
-  into the model otherwise (`SharedMappings` keeps the mapping for the next push).
+  checks every tensor's CRC-32 (or CRC-32C where the entry carries one) and returns views
+  of the mapping, which the backend serves as they are when the learner handed the object
+  over (`shared_memory_handover`) and copies into the model otherwise (`SharedMappings`
+  keeps the mapping for the next push).
 - `WeightGroups`: torch.distributed groups with learners (a TCP store per group, this
   service rank 1), and the receiving side of a push over one.
 - `open_cuda_ipc`: tensors from a learner's CUDA IPC handles (GPU only).
@@ -41,7 +42,9 @@ from svc_policy.weights import all_finite, check_finite, check_table
 
 log = get_logger("leap.policy.transports")
 
-VERIFY_BLOCK = 8 * 1024 * 1024  # a piece (leap.clients.transports.PIECE) at a time: the CRC reads it from memory, the sum from L3
+# Verified a piece (leap.clients.transports.PIECE) at a time: the CRC reads it from memory,
+# the finite check from L3 right after.
+VERIFY_BLOCK = 8 * 1024 * 1024
 
 
 class HostProbe:

@@ -3,10 +3,10 @@ same atomic, versioned, checksummed commit as the UpdateWeights stream:
 
 - shared memory (same host): the learner writes every tensor into a POSIX shared-memory
   object (O_EXCL, mode 0600, an unguessable name), computing each tensor's CRC-32C (CRC-32
-  for a service that does not take it) as it copies; `CommitWeights` carries only the object's name, the tensor table and the
-  checksums, and hands the object over: the service verifies it and serves from its pages
-  (no second copy), so the learner alternates between two objects it keeps for every push
-  (`HandedOver`) and unlinks them when the pusher closes;
+  for a service that does not take it) as it copies; `CommitWeights` carries only the
+  object's name, the tensor table and the checksums, and hands the object over: the service
+  verifies it and serves from its pages (no second copy), so the learner alternates between
+  two objects it keeps for every push (`HandedOver`) and unlinks them when the pusher closes;
 - CUDA IPC (same host, GPU tensors): the table carries each tensor's IPC handles and a word
   sum computed on the GPU; the service copies device to device;
 - torch.distributed (any host): a two-process group (learner rank 0, service rank 1; gloo on
@@ -233,7 +233,8 @@ class SharedSegment:
 
         crcs = checksum_pieces([source.size for source in sources], copy, combine)
         field = "crc32c" if castagnoli else "crc32"
-        return [entry(name, tensor, offset=at, **{field: crc}) for (name, tensor), at, crc in zip(tensors, offsets, crcs)]
+        return [entry(name, tensor, offset=at, **{field: crc})
+                for (name, tensor), at, crc in zip(tensors, offsets, crcs)]
 
     def close(self) -> None:
         self._unlink()
