@@ -42,10 +42,6 @@ from svc_policy.weights import all_finite, check_finite, check_table
 
 log = get_logger("leap.policy.transports")
 
-# Verified a piece (leap.clients.transports.PIECE) at a time: the CRC reads it from memory,
-# the finite check from L3 right after.
-VERIFY_BLOCK = 8 * 1024 * 1024
-
 
 class HostProbe:
     """`leap-probe-<random>` in the shared-memory directory, holding 32 random bytes."""
@@ -179,25 +175,16 @@ def read_shared(directory: Path, request: policy_pb2.CommitWeightsRequest, specs
     castagnoli = [item.HasField("crc32c") for item in request.tensors]
 
     def verify(i: int, start: int, stop: int) -> int:
-        # One read of the bytes from memory: each block's CRC, then its finite check while
-        # it is in cache (`all_finite`; the commit's own check_finite is skipped for these).
-        crc, dtype, checksum = 0, table[i].dtype, crc32c if castagnoli[i] else crc32
-        for first in range(start, stop, VERIFY_BLOCK):
-            last = min(first + VERIFY_BLOCK, stop)
-            crc = checksum(arrays[i][first:last], crc)
-            if dtype.is_floating_point and i not in not_finite and not all_finite(views[i][first:last].view(dtype)):
-                not_finite.add(i)
+        # One read of the bytes from memory: a piece's CRC (8 MiB, `PIECE`), then its finite
+        # check while it is in cache (`all_finite`; the commit's own check_finite is skipped).
+        crc = (crc32c if castagnoli[i] else crc32)(arrays[i][start:stop])
+        dtype = table[i].dtype
+        if dtype.is_floating_point and i not in not_finite and not all_finite(views[i][start:stop].view(dtype)):
+            not_finite.add(i)
         return crc
 
-    # Pieces of a tensor share its checksum, so the CRC-32 and CRC-32C tensors are combined
-    # apart; the two calls run one after the other, each on every thread.
-    checksums = [0] * len(arrays)
-    for kind, combine in ((False, crc32_combine), (True, crc32c_combine)):
-        chosen = [i for i in range(len(arrays)) if castagnoli[i] == kind]
-        if chosen:
-            found = checksum_pieces([arrays[i].size for i in chosen], lambda j, a, b: verify(chosen[j], a, b), combine)
-            for i, crc in zip(chosen, found):
-                checksums[i] = crc
+    checksums = checksum_pieces([array.size for array in arrays], verify,
+                                [crc32c_combine if c else crc32_combine for c in castagnoli])
     tensors: dict[str, torch.Tensor] = {}
     for index, (item, spec, view, actual) in enumerate(zip(request.tensors, table, views, checksums)):
         field, expected = ("crc32c", item.crc32c) if castagnoli[index] else ("crc32", item.crc32)

@@ -356,9 +356,12 @@ def test_a_service_configured_for_the_stream_alone_offers_only_it(tiny_model_dir
         running.stop()
 
 
-def test_a_pusher_sends_crc32c_only_to_a_service_that_offers_it(stub, server, model, weights):
+def test_a_pusher_sends_crc32c_only_to_a_service_that_offers_it(monkeypatch, stub, server, model, weights):
     # A service built before TensorEntry.crc32c (or another language's) does not set
     # shared_memory_crc32c and checks crc32 alone: the pusher then sends CRC-32.
+    # Small pieces, so that both sides combine piece CRCs (this model's tensors are each one
+    # 8 MiB piece otherwise): a service combining a CRC-32C as a CRC-32 would refuse the push.
+    monkeypatch.setattr(tx, "PIECE", 4096)
     sent: list[policy_pb2.TensorEntry] = []
     real_entry = tx.entry
 

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import functools
 
-from crc32c import crc32c as _crc32c
+from crc32c import crc32c  # crc32c(data, value=0): of any buffer, continuing from value
+
+__all__ = ["crc32c", "crc32c_combine"]
 
 POLY = 0x82F63B78  # the Castagnoli polynomial, bit-reflected
-
-
-def crc32c(data, value: int = 0) -> int:
-    """CRC-32C of the bytes of `data` (any buffer), continuing from `value`."""
-    return _crc32c(data, value)
 
 
 def _multiply(a: int, b: int) -> int:

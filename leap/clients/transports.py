@@ -139,16 +139,17 @@ def checksum_pieces(sizes: list[int], work, combine=crc32_combine) -> list[int]:
     """Each buffer's CRC, its bytes taken in pieces on parallel threads: `work(index, start,
     stop)` handles bytes [start, stop) of buffer `index` (copying them, say) and returns their
     CRC; the pieces' checksums are combined in order (`combine(crc_a, crc_b, len_b)`: CRC-32's
-    `crc32_combine` by default, `crc32c_combine` for CRC-32C), so the result is the CRC of
-    the whole buffer. Without a combine each buffer is one piece."""
+    `crc32_combine` by default, `crc32c_combine` for CRC-32C; a list gives each buffer its
+    own), so the result is the CRC of the whole buffer. Without a combine a buffer is one piece."""
+    combines = combine if isinstance(combine, list) else [combine] * len(sizes)
     jobs = []
     for index, size in enumerate(sizes):
-        step = PIECE if combine is not None else max(size, 1)
+        step = PIECE if combines[index] is not None else max(size, 1)
         jobs.extend((index, start, min(start + step, size)) for start in range(0, size, step))
     results = list(_pool().map(lambda job: work(*job), jobs)) if len(jobs) > 1 else [work(*job) for job in jobs]
     crcs = [0] * len(sizes)
     for (index, start, stop), crc in zip(jobs, results):
-        crcs[index] = crc if start == 0 else combine(crcs[index], crc, stop - start)
+        crcs[index] = crc if start == 0 else combines[index](crcs[index], crc, stop - start)
     return crcs
 
 
