@@ -6,6 +6,9 @@
 - gloo: a torch.distributed group (gloo, loopback TCP) opened once, tensors sent point to point;
 - memcpy: one copy of every tensor into a preallocated buffer of the same size.
 
+It also prints the two checksums' rates on one thread, on 256 KiB in cache (CRC-32 through
+ISA-L, the stream's and gloo's; CRC-32C through crc32c, shared memory's where offered).
+
 One randomly initialized Qwen2 model of --weights-mb MB (float32, built here: nothing is
 downloaded) is served by a real `leap serve policy` process; this process is the learner.
 Each transport is warmed (--warm pushes), then timed over --repeats pushes, alternating the
@@ -50,6 +53,21 @@ def memcpy_seconds(state: dict[str, torch.Tensor]) -> float:
     for source, target in zip(sources, targets):
         np.copyto(target, source)
     return time.perf_counter() - start
+
+
+def checksum_rates(block: int = 256 * 1024, rounds: int = 2000) -> dict[str, float]:
+    """GB/s of each checksum on one thread, over one buffer that stays in cache."""
+    from leap.clients.checksums import crc32c
+    from leap.clients.weights import crc32
+
+    data = np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8)
+    rates = {}
+    for name, checksum in (("crc32", crc32), ("crc32c", crc32c)):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            checksum(data)
+        rates[name] = block * rounds / (time.perf_counter() - start) / 1e9
+    return rates
 
 
 def spread(values: list[float]) -> str:
@@ -107,6 +125,8 @@ def main() -> None:
     for name in [*names, "memcpy"]:
         print(f"{name:>7}: {spread(rates[name])}")
     memcpy = median["memcpy"]
+    checksums = checksum_rates()
+    print("checksums on one thread, in cache: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in checksums.items()))
     if "shm" in median:
         print(f"shm / memcpy = {median['shm'] / memcpy:.2f} (target >= 0.5)")
     if "grpc" in median:
@@ -118,7 +138,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "transport": {name: median[name] for name in names}, "memcpy_GBps": memcpy,
-            "samples_GBps": rates, "bytes": nbytes}, indent=1))
+            "samples_GBps": rates, "bytes": nbytes, "checksum_GBps": checksums}, indent=1))
 
 
 if __name__ == "__main__":
