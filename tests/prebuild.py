@@ -24,6 +24,7 @@ result pickles; any other is built in the session's own process before the tests
 from __future__ import annotations
 
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,7 @@ def _wait(name: str, config: pytest.Config | None) -> None:
         raise
     if code == 0:
         _RESULTS[name] = (True, pickle.loads(result.read_bytes()))
+        shutil.rmtree(result.parent, ignore_errors=True)  # the log stays only where a build failed
         _say(config, f"{name} ready after {time.monotonic() - started:.0f} s")
         return
     tail = "\n".join(log.read_text(errors="replace").replace("\r", "\n").splitlines()[-15:])
@@ -158,7 +160,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """A build still running when the session ends (every test that needed it deselected by
     -x, or an interrupt) is stopped."""
     for name in list(_PENDING):
-        child = _PENDING.pop(name)[0]
+        child, result = _PENDING.pop(name)[:2]
         if child.poll() is None:
             child.terminate()
             child.wait()
+        shutil.rmtree(result.parent, ignore_errors=True)

@@ -83,9 +83,12 @@ def test_prebuilt_fixtures_build_beside_the_tests_that_do_not_need_them_outside_
     (tmp_path / "conftest.py").write_text(textwrap.dedent(CONFTEST))
     (tmp_path / "test_fake.py").write_text(textwrap.dedent(TESTS))
     (tmp_path / "test_other.py").write_text(textwrap.dedent(OTHER))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--timeout", "1",
                            "--rootdir", str(tmp_path), "-k", "not deselected", "test_fake.py", "test_other.py"],
-                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=dict(subprocess_env(), TMPDIR=str(scratch)), capture_output=True,
+                          text=True, timeout=300)
     out = done.stdout
     # The slow build ran once, in the background, while the module that needs none of it ran
     # first (named second on the command line), and no test's 1 s timeout covered the wait...
@@ -98,3 +101,6 @@ def test_prebuilt_fixtures_build_beside_the_tests_that_do_not_need_them_outside_
     # a builder the child cannot import is built in the session's process.
     assert "ERROR test_fake.py::test_needs_the_broken_one" in out and "the disk is full" in out, out
     assert "PASSED test_fake.py::test_needs_the_inline_one" in out and "unused_thing" not in out, out
+    # The builds' scratch directories are gone but the failed one's, which holds the log it names.
+    left = sorted(path.name.rsplit("-", 1)[0] for path in scratch.iterdir())
+    assert left == ["prebuild-broken_thing"] and (next(scratch.iterdir()) / "build.log").exists(), left
