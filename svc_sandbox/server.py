@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -38,7 +37,7 @@ from leap.runtime.errors import error_info
 from leap.runtime.logging import get_logger
 from leap.runtime.paging import decode_page_token, encode_page_token, is_offset
 from leap.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
-from svc_sandbox import compilers, confinement
+from svc_sandbox import compilers, confinement, work_dirs
 from svc_sandbox.compile_cache import CompileCache
 from svc_sandbox.evaluator import Evaluator, Request, Settings, resolve
 from svc_sandbox.isolation import JobCancelled, SandboxUnavailable, Sandboxing, Zygote
@@ -187,7 +186,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         self.telemetry = Telemetry()
         self.pool: WorkerPool | None = None
         self.evaluator: Evaluator | None = None
-        self._owned_work_dir: Path | None = None
+        self._owned_work_dir: work_dirs.OwnedDir | None = None
         self._uids: confinement.UidLease | None = None
         self.uids: list[int] = []  # the candidates' uids, one per worker (empty where none could be had)
         self._zygote_error = ""
@@ -260,7 +259,12 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
                 work_dir = Path(config.work_dir)
                 work_dir.mkdir(parents=True, exist_ok=True)
             else:
-                work_dir = self._owned_work_dir = Path(tempfile.mkdtemp(prefix="leap-sandbox-"))
+                stale = work_dirs.sweep()
+                if stale:
+                    self.log.info("removed work directories of sandboxes that died", count=len(stale),
+                                  directories=[str(path) for path in stale[:10]])
+                self._owned_work_dir = work_dirs.OwnedDir()
+                work_dir = self._owned_work_dir.path
             (work_dir / "jobs").mkdir(exist_ok=True)
             probe = work_dir / "jobs" / f".probe-{os.getpid()}"
             probe.write_bytes(b"")
@@ -358,7 +362,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         if self._uids is not None:
             self._uids.close()
         if self._owned_work_dir is not None:
-            shutil.rmtree(self._owned_work_dir, ignore_errors=True)
+            self._owned_work_dir.close()
 
     async def on_start(self) -> None:
         await asyncio.to_thread(self._start)

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from leap.clients import connect
 from leap.runtime import BackgroundServer, StartupError
 from leap.sandbox.v1 import sandbox_pb2
-from svc_sandbox import confinement
+from svc_sandbox import confinement, work_dirs
 from svc_sandbox.server import SPEC, SandboxConfig
 from tests.conftest import ROOT, free_port, subprocess_env
 from tests.sandbox_helpers import (AS_ROOT, KERNELBENCH, RELU_LOOP, Check, Sandbox, Stage, candidate, describe, flags,
@@ -579,6 +579,54 @@ def test_an_unusable_work_dir_is_a_start_up_error(tmp_path):
     with pytest.raises(StartupError, match="work directory"):
         with running_sandbox(tmp_path, workers=1, work_dir=str(tmp_path / "file" / "work")):
             pass
+
+
+def _serve_until_serving(tmp: Path, cache: Path) -> tuple[subprocess.Popen, Path]:
+    """`leap serve sandbox` with TMPDIR=tmp, once SERVING, and the work directory it made."""
+    port = free_port()
+    before = set(tmp.glob(work_dirs.PREFIX + "*"))
+    process = subprocess.Popen([sys.executable, "-m", "leap", "serve", "sandbox", "--port", str(port), "--workers", "1",
+                                "--cache-dir", str(cache), "--sandbox-uid", str(UID_BASE), "--log-level", "warning"],
+                               cwd=ROOT, env=dict(subprocess_env(), TMPDIR=str(tmp)), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=120)
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 120
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.1)
+    made = set(tmp.glob(work_dirs.PREFIX + "*")) - before
+    assert len(made) == 1, made
+    return process, made.pop()
+
+
+@needs_root
+def test_a_killed_sandbox_leaves_no_work_dir_behind_once_another_starts(tmp_path):
+    """A SIGKILLed service cannot remove the work directory it made (a precompiled header
+    and its jobs, ~15 MB); the next one on the host removes it, and no other's."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    living = work_dirs.OwnedDir(tmp)  # a sandbox still running
+    older = tmp / (work_dirs.PREFIX + "older")  # an older version's: no lock file, not judged
+    older.mkdir()
+    process, dead = _serve_until_serving(tmp, tmp_path / "cache")
+    try:
+        assert (dead / "pch").is_dir() and (dead / work_dirs.LOCK).exists()
+        process.kill()
+        process.wait()
+        assert dead.is_dir()  # nothing could remove it
+        process, alive = _serve_until_serving(tmp, tmp_path / "cache")
+        assert not dead.exists() and living.path.is_dir() and older.is_dir() and alive.is_dir()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert not alive.exists() and living.path.is_dir()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        living.close()
+    assert sorted(path.name for path in tmp.iterdir()) == [older.name]
 
 
 def test_a_job_the_sandbox_cannot_set_up_is_unavailable_and_never_cached(sandbox):
