@@ -5,8 +5,9 @@
    the same kernel built by torch.utils.cpp_extension.load_inline (targets: >= 20x faster
    cold, a cache hit under 5 ms); and a whole Evaluate over gRPC, cold and cached;
 2. throughput: the built-in suite's solutions in one batch, with 1 worker and with one per
-   core, through `leap serve sandbox` (target: near-linear in the cores); with --baseline,
-   the same for an earlier checkout (goal: at least 0.7 of its throughput);
+   core, through `leap serve sandbox`, after a first batch that every task's first timed
+   evaluation makes slower (target: near-linear in the cores); with --baseline, the same for
+   an earlier checkout (goal: at least 0.7 of its throughput);
 3. noise: the relu and gemm solutions evaluated --noise-runs times each (default 30) with the
    machine as it is, beside --busy CPU-bound processes, and with --load demo while `leap demo`
    trains on the same cores; the 95th over the 5th percentile of the speedups (goal: at most
@@ -220,18 +221,30 @@ def served(checkout: Path, directory: Path, uid: int, **flags):
 def bench_throughput(directory: Path, quick: bool, checkout: Path, uid: int, **flags) -> dict:
     """The built-in suite's solutions (each made distinct, so each compiles) in one batch, with
     1 worker and one per core; timing_trials=5 and warmup_runs=1 as every version of this
-    benchmark has used; `flags`: more `leap serve sandbox` options."""
+    benchmark has used; `flags`: more `leap serve sandbox` options.
+
+    Each service first judges the suite once (`first_batch`: what a service just started
+    costs, every task's first timed evaluation measuring its pace), then the measured batch
+    (`per_second`: a service that has seen its tasks, as one does through a training run)."""
     suite = tasks.load_suite()
     copies = 1 if quick else 2
     cores = available_cores()
     results = {}
+
+    def batch_of(count: int) -> list:
+        return [sandbox_pb2.Candidate(task_id=t.id, toolchain=CPU, source=prompts.answer(unique(solution(t.id))))
+                for t in suite for _ in range(count)]
+
     for workers in sorted({1, cores}):
         with served(checkout, directory, uid, workers=workers, threads_per_candidate=1, **flags) as sandbox:
-            batch = [sandbox_pb2.Candidate(task_id=t.id, toolchain=CPU, source=prompts.answer(unique(solution(t.id))))
-                     for t in suite for _ in range(copies)]
+            first = batch_of(1)
+            _, first_seconds = sandbox.batch(first, timing_trials=5, warmup_runs=1)
+            batch = batch_of(copies)
             verdicts, seconds = sandbox.batch(batch, timing_trials=5, warmup_runs=1)
             failed = [f"{v.task_id}: {v.message}" for v in verdicts if v.stage != common_pb2.Stage.STAGE_PASSED]
             results[workers] = {"candidates": len(batch), "seconds": seconds, "per_second": len(batch) / seconds,
+                                "first_batch": {"candidates": len(first), "seconds": first_seconds,
+                                                "per_second": len(first) / first_seconds},
                                 "not_passed": failed}
     scaling = results[cores]["per_second"] / results[1]["per_second"] if cores > 1 else 1.0
     return {"cores": cores, "by_workers": results, "scaling": scaling, "scaling_efficiency": scaling / cores}
@@ -478,15 +491,20 @@ def main() -> int:
                 for workers, row in sorted(t["by_workers"].items()):
                     print(f"{name} batch, {workers} worker(s): {row['candidates']} candidates in {row['seconds']:.1f} s "
                           f"= {row['per_second']:.2f}/s" + (f" ({len(row['not_passed'])} did not pass)"
-                                                             if row["not_passed"] else ""))
+                                                             if row["not_passed"] else "")
+                          + f" (a just-started service's first batch: {row['first_batch']['per_second']:.2f}/s)")
                 print(f"{name} throughput scaling: {t['scaling']:.2f}x with {t['cores']} workers")
                 save(results, out, args.json)
             if "baseline" in checkouts:
                 cores = available_cores()
                 ratio = (results["throughput"]["current"]["by_workers"][cores]["per_second"]
                          / results["throughput"]["baseline"]["by_workers"][cores]["per_second"])
+                first = (results["throughput"]["current"]["by_workers"][cores]["first_batch"]["per_second"]
+                         / results["throughput"]["baseline"]["by_workers"][cores]["first_batch"]["per_second"])
                 results["throughput"]["current_over_baseline"] = ratio
-                print(f"throughput against the baseline: {ratio:.2f} (goal >= 0.7)")
+                results["throughput"]["first_batch_current_over_baseline"] = first
+                print(f"throughput against the baseline: {ratio:.2f} (goal >= 0.7); a just-started service's first "
+                      f"batch: {first:.2f}")
         if "noise" in sections:
             results["noise"] = {}
             for offset, (name, checkout) in enumerate(checkouts.items()):
