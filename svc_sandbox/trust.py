@@ -36,10 +36,10 @@ verdict rests on is each of these, and nothing else:
   none while timed (RLIMIT_NPROC) or is found and failed.
 - A reference timed in the same session: a process with no candidate code (the task's own
   reference) runs on the same inputs, interleaved run by run with the candidate, so both
-  see the same machine; the speedup is the median of the ratios of blocks of pairs (one of
-  each order, so which side runs first cancels), with a
-  distribution-free interval (timing.py), repeated until the interval is narrow or the
-  budget is spent, else TIMING_UNRELIABLE.
+  see the same machine; the speedup is the Hodges-Lehmann estimate of the ratios of blocks
+  of pairs (one of each order, so which side runs first cancels), with its signed-rank
+  interval (timing.py), repeated until the interval is narrow or the budget is spent, else
+  TIMING_UNRELIABLE.
 - Sizes it cannot choose: every buffer's size comes from the task's signature (KernelBench:
   from the problem's own Model, probed in a process of its own).
 

@@ -143,14 +143,50 @@ def test_timing_stats_and_alternating_order():
     assert {timing.order(i, alternate=False) for i in range(3)} == {("reference", "candidate")}
 
 
-def test_the_speedup_interval_is_distribution_free():
-    # 10 ratios: the 95% interval of the median is [2nd, 9th] (coverage 97.9%); under 6 pairs no
-    # order statistic reaches 95% and the interval is [min, max].
-    ratios = [1.0 + i / 10 for i in range(10)]
-    center, low, high = timing.median_interval(ratios)
-    assert center == pytest.approx(1.45) and (low, high) == (1.1, 1.8)
-    assert timing.median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+def test_the_signed_rank_interval_has_the_published_critical_values():
+    # Two-sided 5%: the signed-rank test rejects at T <= 0, 2, 3, 5, 8 for 6-10 observations
+    # (tables of the Wilcoxon test), so the interval drops k - 1 = that + 1 Walsh averages a side.
+    assert [timing.signed_rank_k(n) for n in range(6, 11)] == [1, 3, 4, 6, 9]
+    assert [timing.signed_rank_k(n) for n in range(1, 6)] == [1] * 5  # none reaches 95%: [min, max]
+    # Past 60 blocks a normal approximation, which at 60 agrees with the exact distribution.
+    def normal(n: int) -> float:
+        return n * (n + 1) / 4 - 1.959964 * math.sqrt(n * (n + 1) * (2 * n + 1) / 24) + 0.5
+
+    assert timing.signed_rank_k(60) == math.floor(normal(60)) == 649
+    assert timing.signed_rank_k(200) == math.floor(normal(200))
+
+
+def test_the_speedup_and_its_interval_are_hodges_lehmann_on_log_ratios():
+    center, low, high = timing.hodges_lehmann_interval([3.0, 1.0, 2.0])  # 3 blocks: [min, max]
+    walsh = sorted([math.log(3), math.log(2), 0.0, math.log(6) / 2, math.log(3) / 2, math.log(2) / 2])
+    assert (low, high) == pytest.approx((1.0, 3.0)) and center == pytest.approx(math.exp((walsh[2] + walsh[3]) / 2))
+    assert timing.hodges_lehmann_interval([2.0]) == pytest.approx((2.0, 2.0, 2.0))
+    assert timing.hodges_lehmann_interval([]) == (0.0, 0.0, 0.0)
+    assert timing.hodges_lehmann_interval([0.0, 2.0])[0] == pytest.approx(2.0)  # a non-positive ratio is left out
+    # A ratio and its inverse are symmetric: the speedup of the inverse is the inverse.
+    ratios = [1.31, 1.52, 1.44, 1.38, 1.61, 1.47, 1.29, 1.5]
+    center, low, high = timing.hodges_lehmann_interval(ratios)
+    assert timing.hodges_lehmann_interval([1 / r for r in ratios]) == pytest.approx((1 / center, 1 / high, 1 / low))
+    # One block spoiled by a pre-emption (a 40x ratio) moves it by little.
+    assert timing.hodges_lehmann_interval(ratios[:-1] + [40.0])[0] == pytest.approx(center, rel=0.05)
     assert timing.relative_width(0.9, 1.1, 1.0) == pytest.approx(0.2) and timing.relative_width(1, 2, 0) == math.inf
+
+
+def test_the_interval_covers_the_centre_at_its_confidence_and_is_narrower_than_the_medians():
+    # Log ratios symmetric about log 1.5 (a heavy-tailed t with 3 degrees of freedom), 10
+    # blocks: the interval covers 1.5 in at least ~95% of 4000 sessions, and is narrower on
+    # average than the median's distribution-free interval of the same blocks ([2nd, 9th]).
+    rng = np.random.default_rng(7)
+    covered, hl_width, median_width = 0, 0.0, 0.0
+    for _ in range(4000):
+        ratios = np.exp(math.log(1.5) + 0.05 * rng.standard_t(3, size=10))
+        center, low, high = timing.hodges_lehmann_interval(list(ratios))
+        covered += low <= 1.5 <= high
+        ordered = np.sort(ratios)
+        hl_width += timing.relative_width(low, high, center)
+        median_width += timing.relative_width(ordered[1], ordered[8], float(np.median(ratios)))
+    assert covered / 4000 >= 0.94, covered / 4000
+    assert hl_width < 0.9 * median_width, (hl_width / 4000, median_width / 4000)
 
 
 def test_blocks_of_both_orders_cancel_an_order_effect():

@@ -739,8 +739,8 @@ class Verdict(_message.Message):
     source_sha256: _builtins.str
     """SHA-256 (hex) of the extracted code, empty at FORMAT."""
     speedup_low: _builtins.float
-    """Lower end of the 95% confidence interval of `speedup` (distribution-free, from the order
-    statistics of the blocks' ratios); 0 when not timed. Compare two verdicts' speeds only
+    """Lower end of the 95% confidence interval of `speedup` (the Wilcoxon signed-rank interval
+    of the blocks' log ratios, whose Hodges-Lehmann estimate `speedup` is); 0 when not timed. Compare two verdicts' speeds only
     where their intervals do not overlap.
     """
     speedup_high: _builtins.float
