@@ -49,6 +49,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def calls_per_run(seconds_per_call: float, target_seconds: float, most: int) -> int:
     """Calls in one timed run so that a run of calls at `seconds_per_call` lasts about
@@ -112,13 +114,14 @@ def signed_rank_k(n: int, confidence: float = 0.95) -> int:
 def hodges_lehmann_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
     """(centre, low, high) of positive ratios: the Hodges-Lehmann estimate on their logarithms
     and the signed-rank interval (the module's docstring); values <= 0 are left out."""
-    logs = [math.log(v) for v in values if v > 0]
+    logs = np.log(np.array([v for v in values if v > 0], dtype=np.float64))
     n = len(logs)
     if not n:
         return 0.0, 0.0, 0.0
-    walsh = sorted((logs[i] + logs[j]) / 2 for i in range(n) for j in range(i, n))
+    upper = np.triu_indices(n)  # i <= j: n(n+1)/2 averages (125 000 at 500 blocks, sorted in milliseconds)
+    walsh = np.sort(((logs[:, None] + logs[None, :]) / 2)[upper])
     k = min(signed_rank_k(n, confidence), (len(walsh) + 1) // 2)
-    return math.exp(statistics.median(walsh)), math.exp(walsh[k - 1]), math.exp(walsh[len(walsh) - k])
+    return math.exp(float(np.median(walsh))), math.exp(float(walsh[k - 1])), math.exp(float(walsh[len(walsh) - k]))
 
 
 def relative_width(low: float, high: float, center: float) -> float:
