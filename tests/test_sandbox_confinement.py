@@ -453,6 +453,16 @@ def assert_gone_soon(sandbox: Sandbox, seconds: float = 10) -> None:
 
 
 @needs_root
+def _wait_serving(channel: grpc.Channel, process: subprocess.Popen) -> None:
+    """Until the `leap serve sandbox` process behind `channel` reports SERVING (it must not exit first)."""
+    grpc.channel_ready_future(channel).result(timeout=120)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 120
+    while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.1)
+
+
 def test_sigterm_ends_the_service_within_drain_and_grace_whatever_runs(tmp_path):
     port = free_port()
     drain, grace = 0.5, 2.0
@@ -463,12 +473,7 @@ def test_sigterm_ends_the_service_within_drain_and_grace_whatever_runs(tmp_path)
                                stderr=subprocess.PIPE)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        grpc.channel_ready_future(channel).result(timeout=120)
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 120
-        while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline and process.poll() is None
-            time.sleep(0.1)
+        _wait_serving(channel, process)
         loop = relu("    volatile int64_t k = 0;\n    while (true) { k++; }")
         request = sandbox_pb2.EvaluateRequest(candidate=candidate("relu", loop), options=sandbox_pb2.EvaluateOptions(
             stage_timeout_seconds=600, **NO_STATIC))
@@ -590,12 +595,7 @@ def _serve_until_serving(tmp: Path, cache: Path) -> tuple[subprocess.Popen, Path
                                cwd=ROOT, env=dict(subprocess_env(), TMPDIR=str(tmp)), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        grpc.channel_ready_future(channel).result(timeout=120)
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 120
-        while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline and process.poll() is None
-            time.sleep(0.1)
+        _wait_serving(channel, process)
     made = set(tmp.glob(work_dirs.PREFIX + "*")) - before
     assert len(made) == 1, made
     return process, made.pop()
