@@ -30,7 +30,7 @@ exact null distribution of the signed-rank statistic T (a normal approximation p
 blocks). It covers the centre with at least that confidence where the log ratios are
 symmetric about it, is as robust as the median to a block spoiled by a pre-emption (it
 takes 29% of the blocks to move it arbitrarily), and is narrower than the median's
-order-statistic interval for the same blocks: on 200 evaluations of the suite's solutions
+order-statistic interval for the same blocks: in a one-off replay of 200 evaluations of the suite's solutions
 on this project's 2-core machine, stopping as below, it needed 4-6% fewer pairs and flagged
 1-2% of honest verdicts TIMING_UNRELIABLE where the median flagged 3-9%, with a spread
 between evaluations as small or smaller (docs/ARCHITECTURE.md, "Timing"). With fewer than
